@@ -1,0 +1,116 @@
+// FlashFwdKernel: the warp-specialised forward kernel. One producer warpgroup streams
+// Q, K and V tiles into shared memory with TMA; two consumer warpgroups, each owning 64
+// rows of the query tile, compute S = Q K^T and O += P V with WGMMA and the online
+// softmax in registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/device_kernel.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "epilogue_fwd.h"
+#include "mainloop_fwd.h"
+#include "scheduler.h"
+#include "traits.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits_, class Mask_>
+struct FlashFwdKernel {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  using Mainloop = MainloopFwd<Traits, Mask>;
+  using Epilogue = EpilogueFwd<Traits>;
+  using Scheduler = SingleTileScheduler</*kLongestFirst=*/Mask::kIsCausal>;
+  using PipelineK = typename Traits::PipelineK;
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineState = typename Traits::PipelineState;
+  using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
+
+  static constexpr int kThreads = Traits::kThreads;
+
+  struct SharedStorage {
+    typename Mainloop::SharedStorage mainloop;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    alignas(16) typename PipelineK::SharedStorage pipeline_k;
+    alignas(16) typename PipelineV::SharedStorage pipeline_v;
+  };
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+  static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+  };
+
+  static Params to_params(FwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p)}; }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group_idx = cutlass::canonical_warp_group_idx();
+    auto const role = WarpGroupRole(warp_group_idx);
+    int const lane_predicate = cute::elect_one_sync();
+
+    if (warp_idx == 0 && lane_predicate) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      storage.barrier_q.init(/*arrive_count=*/1);
+    }
+
+    // The producer warp's elected thread arrives with the transaction bytes; every
+    // consumer thread releases a stage, and the pipeline counts one arrival per consumer
+    // warpgroup.
+    typename PipelineK::Params pipeline_params;
+    pipeline_params.transaction_bytes = Traits::kBytesKV;
+    pipeline_params.num_consumers = Traits::kConsumerThreads;
+    if (role == WarpGroupRole::Producer) {
+      pipeline_params.role = PipelineK::ThreadCategory::Producer;
+      pipeline_params.is_leader = warp_idx == 0 && lane_predicate;
+    } else {
+      pipeline_params.role = PipelineK::ThreadCategory::Consumer;
+      pipeline_params.is_leader = 0;
+    }
+    PipelineK pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+    PipelineV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+
+    // Barrier and pipeline initialisation must be visible to every thread before use.
+    __syncthreads();
+
+    auto const tile = Scheduler::tile();
+
+    if (role == WarpGroupRole::Producer) {
+      cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
+      if (warp_idx == 0 && lane_predicate) {
+        PipelineState write_k = cutlass::make_producer_start_state<PipelineK>();
+        PipelineState write_v = cutlass::make_producer_start_state<PipelineV>();
+        Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q, pipeline_k, pipeline_v,
+                       write_k, write_v, tile.m_block, tile.head, tile.batch);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
+      int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      PipelineState read_k, read_v;
+      Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
+      auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q, pipeline_k, pipeline_v,
+                               read_k, read_v, tOrO, thread_idx, tile.m_block);
+      Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    flash_fwd_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) char smem[];
+  Kernel{}(params, smem);
+#endif
+}
+
+}  // namespace flash3

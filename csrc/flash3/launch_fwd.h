@@ -1,0 +1,35 @@
+// Host side of the forward kernel: builds the TMA descriptors, raises the shared-memory
+// limit and launches. Each instantiation .cu includes this once for one
+// (element, head dim, mask).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernel_fwd.h"
+#include "params.h"
+#include "traits.h"
+
+namespace flash3 {
+
+template <class Element, int kHeadDim, class Mask>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim>, Mask>;
+  using Traits = typename Kernel::Traits;
+  auto kernel_params = Kernel::to_params(params);
+  int const num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  dim3 const grid = Kernel::Scheduler::grid(num_m_blocks, params.nheads, params.batch);
+  auto* kernel = &flash_fwd_kernel<Kernel>;
+  constexpr int kSmem = Kernel::kSharedStorageSize;
+  // Above 48 KB a kernel must opt in to dynamic shared memory; the attribute is per
+  // function and per device, cheap enough to set on every launch.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) { return err; }
+  kernel<<<grid, Kernel::kThreads, kSmem, stream>>>(kernel_params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash3
+
+// One explicit instantiation per translation unit (csrc/instantiations/).
+#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK) \
+  template cudaError_t flash3::run_fwd<ELEMENT, HDIM, flash3::MASK>(flash3::FwdParams const&, cudaStream_t);

@@ -1,0 +1,277 @@
+// The forward mainloop: the producer's TMA loads of Q, K and V into shared memory, and
+// the consumers' WGMMAs and online softmax over the key tiles.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "mask.h"
+#include "params.h"
+#include "softmax.h"
+#include "traits.h"
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits, class Mask>
+struct MainloopFwd {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kConsumerThreads = Traits::kConsumerThreads;
+  using TileShapeMNK = typename Traits::TileShapeMNK;
+  using SmemLayoutQ = typename Traits::SmemLayoutQ;
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  using SmemLayoutV = typename Traits::SmemLayoutV;
+  using SmemLayoutVt = typename Traits::SmemLayoutVt;
+  using PipelineK = typename Traits::PipelineK;
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineState = typename Traits::PipelineState;
+  using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+
+  // Global tensors are viewed as (seqlen, headdim, head, batch) so that one TMA box is a
+  // (rows x headdim) tile of one head of one batch.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+
+  template <class SmemLayout, class BoxShape>
+  static auto make_tma_load(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride,
+                            SmemLayout const& smem_layout, BoxShape const& box) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, smem_layout, box, /*cluster_size=*/_1{});
+  }
+  using TmaQ = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})));
+  using TmaK = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})));
+  using TmaV = TmaK;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
+  };
+
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    int seqlen_q;
+    int seqlen_k;
+    int head_group;  // nheads / nheads_k: query heads per K/V head
+    float softmax_scale;
+    float softmax_scale_log2;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+    StrideQKV stride_q = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
+    StrideQKV stride_k = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
+    StrideQKV stride_v = make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride);
+    return {make_tma_load(static_cast<Element const*>(p.q_ptr), shape_q, stride_q, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})),
+            make_tma_load(static_cast<Element const*>(p.k_ptr), shape_k, stride_k, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})),
+            make_tma_load(static_cast<Element const*>(p.v_ptr), shape_k, stride_v, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{})),
+            shape_q, shape_k, p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k,
+            p.softmax_scale, p.softmax_scale_log2};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  CUTLASS_DEVICE static int n_block_end(Params const& params, int m_block) {
+    return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);
+  }
+
+  // Producer: one elected thread of the producer warp. Q once, then K and V tile by
+  // tile from the last key tile down (the masked tiles first, see mask.h). K and V have
+  // separate pipelines so that S = Q K^T can start before V has landed.
+  CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                  PipelineState& write_k, PipelineState& write_v,
+                                  int m_block, int head, int batch) {
+    int const n_end = n_block_end(params, m_block);
+    if (n_end <= 0) { return; }
+    int const head_kv = head / params.head_group;
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, batch);     // (seqlen_q, d)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA), (TMA)
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));  // (TMA, n), (TMA, PIPE)
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));  // (TMA, n), (TMA, PIPE)
+
+    int n_block = n_end - 1;
+    // K first: the first GEMM needs only Q and K.
+    pipeline_k.producer_acquire(write_k);
+    copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+    ++write_k;
+    barrier_q.arrive_and_expect_tx(Traits::kBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q)), tQgQ, tQsQ);
+    pipeline_v.producer_acquire(write_v);
+    copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+    ++write_v;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (--n_block; n_block >= 0; --n_block) {
+      pipeline_k.producer_acquire(write_k);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+      ++write_k;
+      pipeline_v.producer_acquire(write_v);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+      ++write_v;
+    }
+  }
+
+  // Pingpong between the two consumer warpgroups: a warpgroup waits for its turn before
+  // issuing WGMMAs and hands the turn over right after issuing them, so that while one
+  // warpgroup's GEMMs occupy the tensor cores the other one runs its softmax.
+  struct WarpScheduler {
+    int warpgroup;  // 0 or 1 among the consumers
+    int slots;      // how many times this warpgroup issues GEMMs
+    int issued = 0;
+
+    CUTLASS_DEVICE NamedBarrier own() const { return warpgroup == 0 ? NamedBarrier::WarpSchedulerWG0 : NamedBarrier::WarpSchedulerWG1; }
+    CUTLASS_DEVICE NamedBarrier other() const { return warpgroup == 0 ? NamedBarrier::WarpSchedulerWG1 : NamedBarrier::WarpSchedulerWG0; }
+
+    // Warpgroup 0 goes first: warpgroup 1 hands it the first turn.
+    CUTLASS_DEVICE void start() const {
+      if (warpgroup == 1 && slots > 0) { named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, NamedBarrier::WarpSchedulerWG0); }
+    }
+    CUTLASS_DEVICE void wait_turn() const {
+      named_barrier_sync(2 * cutlass::NumThreadsPerWarpGroup, own());  // LOCK: the tensor cores are ours
+    }
+    // Both warpgroups issue the same number of times; warpgroup 1's last hand-over would
+    // have no matching wait (its first one was start()), so it is skipped.
+    CUTLASS_DEVICE void pass_turn() {
+      ++issued;
+      if (!(warpgroup == 1 && issued == slots)) {
+        named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, other());  // UNLOCK
+      }
+    }
+  };
+
+  // Consumers: returns the output accumulator of this thread (normalised) and the
+  // logsumexp of its rows. Iteration j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j)
+  // together, then runs the softmax of S(j+1) while O's GEMM is still in flight
+  // (the intra-warpgroup overlap of the paper).
+  template <class TensorO>
+  CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
+                                 cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                 PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                 PipelineState& read_k, PipelineState& read_v,
+                                 TensorO& tOrO, int thread_idx, int m_block) {
+    using TiledMmaQK = typename Traits::TiledMmaQK;
+    using TiledMmaPV = typename Traits::TiledMmaPV;
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
+
+    // Coordinates (row, col) within the tile of each S element this thread holds.
+    Tensor cS = make_identity_tensor(select<0, 1>(TileShapeMNK{}));
+    Tensor tScS_rowcol = make_tensor(thr_mma_qk.partition_C(cS).data(),
+                                     accumulator_rowcol(thr_mma_qk.partition_C(cS).layout()));
+
+    Policy const policy{params.seqlen_q, params.seqlen_k};
+    int const n_end = policy.n_block_end(m_block);
+    constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
+    OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
+    Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    WarpScheduler scheduler{warpgroup, n_end > 0 ? n_end + 1 : 0};
+    scheduler.start();
+
+    if (n_end <= 0) {
+      clear(tOrO);
+      return softmax.finalize(tOrO_rowcol, params.softmax_scale);
+    }
+
+    auto compute_scores = [&](auto& tSrS, int n_block) {
+      Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
+      return tSrS_rowcol;
+    };
+
+    barrier_q.wait(/*phase=*/0);
+
+    // First key tile: S only.
+    int n_block = n_end - 1;
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+    pipeline_k.consumer_wait(read_k);
+    scheduler.wait_turn();
+    warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    scheduler.pass_turn();
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+    ++read_k;
+    {
+      Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
+      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol);
+    }
+    // P(j) in the element type, read by the PV WGMMA as its register A operand.
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor tOrP = make_tensor(rP.data(), accumulator_as_operand_a(rP.layout()));
+    convert_into(tSrS, rP);
+    clear(tOrO);
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (--n_block; n_block >= 0; --n_block) {
+      Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+      pipeline_k.consumer_wait(read_k);
+      pipeline_v.consumer_wait(read_v);
+      scheduler.wait_turn();
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      scheduler.pass_turn();
+      warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
+      pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+      ++read_k;
+      Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
+      auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
+      warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
+      pipeline_v.consumer_release(read_v);  // UNLOCK V stage
+      ++read_v;
+      softmax.rescale(tOrO_rowcol, correction);
+      convert_into(tSrS_next, rP);
+    }
+
+    // Last key tile: O += P V only.
+    pipeline_v.consumer_wait(read_v);
+    scheduler.wait_turn();
+    warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    scheduler.pass_turn();
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(read_v);  // UNLOCK V stage
+    ++read_v;
+
+    return softmax.finalize(tOrO_rowcol, params.softmax_scale);
+  }
+};
+
+}  // namespace flash3

@@ -1,0 +1,101 @@
+// Online softmax over key tiles: a running row max and row sum per query row, the
+// rescale of the output accumulator when the max grows, and the final normalisation.
+//
+// Everything is in the log2 domain: with scale_log2 = softmax_scale * log2(e),
+// exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2), one FFMA and one MUFU.EX2
+// per score.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  // Per row: the running max of the raw scores (-inf until a visible key is seen) and
+  // this thread's partial sum of exp2 (the quad reduces the sums once, at the end).
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;
+  float const scale_log2;
+
+  CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.f);
+  }
+
+  // The max scaled into the log2 domain, with -inf (a row that has seen only masked
+  // keys so far) mapped to 0 so that exp2(-inf - 0) = 0 rather than NaN.
+  CUTLASS_DEVICE float scaled_max(int mi) const {
+    return row_max(mi) == -INFINITY ? 0.f : row_max(mi) * scale_log2;
+  }
+
+  // Updates the running max with tile S (rows x cols, raw scores), turns S into
+  // P = exp2(S * scale_log2 - max) in place, adds P's row sums, and returns the factor
+  // by which each row of the output accumulator must be rescaled.
+  template <bool kFirstTile, class TensorS>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol) {
+    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
+    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float tile_max = row_max(mi);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+        tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni));
+      }
+      tile_max = quad_allreduce(tile_max, MaxOp{});
+      float const prev_scaled = kFirstTile ? -INFINITY : row_max(mi) * scale_log2;
+      row_max(mi) = tile_max;
+      float const max_scaled = scaled_max(mi);
+      // prev_scaled is -inf when the row had no visible key yet: the factor is then 0,
+      // harmless since the accumulator and sum are still 0.
+      correction(mi) = kFirstTile ? 1.f : exp2f(prev_scaled - max_scaled);
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+        float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - max_scaled);
+        tSrS_rowcol(mi, ni) = p;
+        sum += p;
+      }
+      row_sum(mi) = row_sum(mi) * correction(mi) + sum;
+    }
+    return correction;
+  }
+
+  template <class TensorO, class TensorCorrection>
+  CUTLASS_DEVICE static void rescale(TensorO& tOrO_rowcol, TensorCorrection const& correction) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) {
+        tOrO_rowcol(mi, ni) *= correction(mi);
+      }
+    }
+  }
+
+  // Divides O by the row sums and returns the natural-log logsumexp per row
+  // (-inf for a row that saw no key; its output is 0).
+  template <class TensorO>
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float softmax_scale) {
+    Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float const sum = quad_allreduce(row_sum(mi), SumOp{});
+      bool const empty = sum == 0.f || sum != sum;
+      float const inv_sum = empty ? 0.f : 1.f / sum;
+      lse(mi) = empty ? -INFINITY : row_max(mi) * softmax_scale + __logf(sum);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) {
+        tOrO_rowcol(mi, ni) *= inv_sum;
+      }
+    }
+    return lse;
+  }
+};
+
+}  // namespace flash3

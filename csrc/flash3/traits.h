@@ -1,0 +1,91 @@
+// Per (element type, head dim) tile shapes, shared-memory layouts and tiled MMAs of the
+// forward kernel. Everything here is a compile-time type; no code runs.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+namespace flash3 {
+
+using namespace cute;
+
+// Tile sizes per head dim. kBlockM rows of Q are split between the consumer warpgroups
+// (64 rows each, the M of one WGMMA). kBlockN is the largest key tile for which
+// Q + kStages * (K + V) fits in the 227 KB of shared memory and the consumers' S and O
+// accumulators fit in 240 registers.
+//   hdim  kBlockN  smem (Q + 2 stages of K and V)
+//    64     128     16 KB + 64 KB
+//    96     128     24 KB + 96 KB
+//   128     128     32 KB + 128 KB
+//   192     112     48 KB + 168 KB
+//   256      80     64 KB + 160 KB
+template <int kHeadDim>
+struct TileConfig;
+template <> struct TileConfig<64>  { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
+template <> struct TileConfig<96>  { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
+template <> struct TileConfig<128> { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
+template <> struct TileConfig<192> { static constexpr int kBlockN = 112; static constexpr int kStages = 2; };
+template <> struct TileConfig<256> { static constexpr int kBlockN = 80;  static constexpr int kStages = 2; };
+
+template <class Element_, int kHeadDim_>
+struct KernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kProducerWarpgroups = 1;
+  static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
+
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr int kBlockN = TileConfig<kHeadDim>::kBlockN;
+  static constexpr int kStages = TileConfig<kHeadDim>::kStages;
+
+  using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  // The P V product: M = query rows, N = head dim, K = keys.
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+
+  // Each consumer warpgroup owns 64 rows of the Q tile: the atom layout stacks the
+  // warpgroups along M.
+  using AtomLayoutMNK = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+
+  // S = Q K^T: both operands K-major (head dim contiguous) in shared memory.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  // O += P V: P comes from registers (the S accumulator converted in place); V is read
+  // from shared memory as an MN-major operand (head dim contiguous), so no transpose
+  // is needed for 16-bit types.
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutMNK{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V is stored exactly like K (as TMA brings it: keys x head dim) ...
+  using SmemLayoutV = SmemLayoutK;
+  // ... and read by the PV WGMMA through a transposed view: (head dim, keys, stage).
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+};
+
+}  // namespace flash3

@@ -1,0 +1,30 @@
+"""flash3: FlashAttention-3-class fused attention kernels for NVIDIA Hopper (H100, H200).
+
+    import flash3
+    out = flash3.attention(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
+
+``flash3.reference`` holds PyTorch references (a float64 softmax(QK^T)V and the kernel's
+blockwise running-softmax loop) that run anywhere.
+"""
+from . import reference
+from .interface import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEADDIMS,
+    KernelNotBuiltError,
+    attention,
+    build_info,
+    is_supported,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "build_info",
+    "is_supported",
+    "reference",
+    "KernelNotBuiltError",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEADDIMS",
+    "__version__",
+]

@@ -1,0 +1,193 @@
+"""Argument handling, dispatch checks, autograd and torch.compile registration.
+
+The compiled op is ``torch.ops.flash3.fwd(q, k, v, softmax_scale, causal) -> (out, lse)``,
+registered with the PyTorch dispatcher by ``flash3._C``. This module validates arguments
+before any launch, gives the op a fake (meta) implementation so that
+``torch.compile(fullgraph=True)`` traces it as one node, and wires autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (loading it registers torch.ops.flash3)
+
+    _C_IMPORT_ERROR = None
+except ImportError as exc:  # no compiled extension: the reference still works
+    _C = None
+    _C_IMPORT_ERROR = exc
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class KernelNotBuiltError(ValueError):
+    """The requested kernel exists in flash3 but was left out of this build."""
+
+
+def build_info() -> dict:
+    """What this installation holds: its kernels, CUDA and CUTLASS versions.
+
+    ``kernels`` lists dicts ``{"kind", "dtype", "hdim", "causal"}``. Without the compiled
+    extension the list is empty and ``error`` says why.
+    """
+    if _C is None:
+        return {"kernels": [], "error": f"flash3._C failed to import: {_C_IMPORT_ERROR}"}
+    return dict(_C.build_info())
+
+
+_BUILT = None
+
+
+def _built_kernels() -> frozenset:
+    global _BUILT
+    if _BUILT is None:
+        _BUILT = frozenset(
+            (k["kind"], k["dtype"], k["hdim"], k["causal"]) for k in build_info()["kernels"]
+        )
+    return _BUILT
+
+
+def is_supported(kind: str, dtype, hdim: int, causal: bool) -> bool:
+    """True when this build holds the ``kind`` ("fwd" or "bwd") kernel for the arguments.
+
+    ``dtype`` is a torch dtype or its short name ("bf16", "fp16").
+    """
+    name = _DTYPE_NAMES.get(dtype, dtype)
+    return (kind, name, int(hdim), bool(causal)) in _built_kernels()
+
+
+def _fail(exc_type, name, value, supported):
+    raise exc_type(f"flash3.attention: {name} is {value}; supported: {supported}")
+
+
+def _check_inputs(q, k, v, causal, softmax_scale):
+    # Types and shapes first, devices last: every argument error is reported the same way
+    # on a machine without a GPU.
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(TypeError, f"{name}.dtype", t.dtype, "torch.bfloat16, torch.float16")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(TypeError, f"{name}.dtype", t.dtype, f"the dtype of q ({q.dtype})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            _fail(ValueError, f"{name}.dim()", t.dim(), "4: (batch, seqlen, nheads, headdim)")
+    batch, _, nheads, headdim = q.shape
+    if k.shape != v.shape:
+        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
+    if k.shape[0] != batch:
+        _fail(ValueError, "k.shape[0] (batch)", k.shape[0], f"the batch of q ({batch})")
+    if k.shape[3] != headdim:
+        _fail(ValueError, "k.shape[3] (headdim)", k.shape[3], f"the headdim of q ({headdim})")
+    if headdim not in SUPPORTED_HEADDIMS:
+        _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)))
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)")
+    if not isinstance(causal, bool):
+        _fail(TypeError, "causal", type(causal).__name__, "bool")
+    if softmax_scale is not None:
+        if (
+            isinstance(softmax_scale, bool)
+            or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale)
+            or softmax_scale <= 0
+        ):
+            _fail(ValueError, "softmax_scale", softmax_scale, "a positive finite float, or None for 1/sqrt(headdim)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            _fail(TypeError, f"{name}.device", t.device, "CUDA tensors on a Hopper GPU (sm_90)")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            _fail(TypeError, f"{name}.device", t.device, f"the device of q ({q.device})")
+    if _C is None:
+        raise RuntimeError(f"flash3.attention: the compiled extension flash3._C is missing ({_C_IMPORT_ERROR})")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)")
+    dtype_name = _DTYPE_NAMES[q.dtype]
+    if not is_supported("fwd", dtype_name, headdim, causal):
+        built = sorted(
+            f"{d}/hdim{h}{'/causal' if c else ''}" for kind, d, h, c in _built_kernels() if kind == "fwd"
+        )
+        raise KernelNotBuiltError(
+            f"flash3.attention: the forward kernel for dtype {dtype_name}, headdim {headdim}, "
+            f"causal={causal} was not built (FLASH3_HDIMS / FLASH3_DTYPES at build time); "
+            f"this build holds: {', '.join(built) or 'none'}"
+        )
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads q, k, v with TMA: last dim contiguous, other strides multiples of
+    16 bytes, base 16-byte aligned. Anything else is copied to a contiguous tensor (one
+    extra pass over it) rather than refused."""
+    align = 16 // t.element_size()
+    ok = (
+        t.stride(-1) == 1
+        and all(t.stride(d) % align == 0 or t.shape[d] == 1 for d in range(3))
+        and t.data_ptr() % 16 == 0
+    )
+    return t if ok else t.contiguous()
+
+
+if _C is not None:
+
+    @torch.library.register_fake("flash3::fwd")
+    def _fwd_fake(q, k, v, softmax_scale, causal):
+        batch, seqlen_q, nheads, headdim = q.shape
+        out = q.new_empty((batch, seqlen_q, nheads, headdim))
+        lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+        return out, lse
+
+    def _fwd_setup_context(ctx, inputs, output):
+        pass
+
+    def _fwd_backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(
+            "flash3: the backward pass is not implemented yet; flash3.attention is forward-only "
+            "in this version (use torch.nn.functional.scaled_dot_product_attention for training)"
+        )
+
+    torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """softmax(q k^T * softmax_scale) v, fused, on a Hopper GPU.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), torch.bfloat16 or torch.float16, CUDA.
+        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device. With
+            nheads_k < nheads (GQA/MQA; nheads % nheads_k == 0) query head i uses K/V head
+            i // (nheads // nheads_k), without copying K or V.
+        causal: mask keys after the query, bottom-right aligned as in FlashAttention-2/3:
+            query row i sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 3,
+            seqlen_k = 5 (1 = visible)::
+
+                1 1 1 0 0
+                1 1 1 1 0
+                1 1 1 1 1
+
+            With seqlen_q > seqlen_k the first rows see no key: their output is 0 and
+            their lse -inf.
+        softmax_scale: defaults to 1/sqrt(headdim); must be positive.
+        return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q), natural log.
+
+    Returns:
+        out shaped like q (contiguous), or (out, lse) when return_lse.
+
+    head dims 64, 96, 128, 192, 256 are supported (see ``build_info()`` for what this
+    build holds). Inputs whose layout TMA cannot read (last dim not contiguous, strides
+    not multiples of 16 bytes) are copied to contiguous tensors first.
+    """
+    _check_inputs(q, k, v, causal, softmax_scale)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = torch.ops.flash3.fwd(_tma_ready(q), _tma_ready(k), _tma_ready(v), float(softmax_scale), causal)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,85 @@
+"""Dumps the SASS of flash3's compiled module and checks that each forward kernel holds
+the instructions the design promises:
+
+  HGMMA        warpgroup MMA (WGMMA) for both GEMMs
+  UTMALDG      TMA loads of Q, K, V
+  USETMAXREG   setmaxnreg register reallocation between producer and consumers
+  SYNCS        mbarrier waits and arrivals of the TMA pipelines
+  BAR.SYNC / BAR.ARV   named barriers (pingpong scheduling of the consumer warpgroups)
+
+and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
+time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
+from Triton's wheel.
+"""
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REQUIRED = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV"]
+FORBIDDEN = ["LDL", "STL"]
+
+
+def find_cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for candidate in (Path("/usr/local/cuda/bin/cuobjdump"),):
+        if candidate.exists():
+            return str(candidate)
+    try:
+        import triton
+
+        candidate = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    sys.exit("check_sass: no cuobjdump found (CUDA toolkit or Triton's wheel)")
+
+
+def find_module():
+    here = Path(__file__).resolve().parent.parent / "flash3"
+    modules = sorted(here.glob("_C*.so"))
+    if not modules:
+        sys.exit("check_sass: flash3/_C*.so not found; build first (make install)")
+    return modules[0]
+
+
+def split_functions(sass: str):
+    """Yields (mangled kernel name, SASS text) per function."""
+    parts = re.split(r"^\s+Function : (\S+)\s*$", sass, flags=re.M)
+    for i in range(1, len(parts) - 1, 2):
+        yield parts[i], parts[i + 1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--module", type=Path, default=None, help="the .so to check (default: flash3/_C*.so)")
+    parser.add_argument("--dump", type=Path, default=None, help="also write the full SASS here")
+    args = parser.parse_args()
+    module = args.module or find_module()
+    sass = subprocess.run([find_cuobjdump(), "--dump-sass", str(module)], check=True, capture_output=True,
+                          text=True).stdout
+    if args.dump:
+        args.dump.parent.mkdir(parents=True, exist_ok=True)
+        args.dump.write_text(sass)
+    kernels = [(name, body) for name, body in split_functions(sass) if "flash_fwd_kernel" in name]
+    if not kernels:
+        sys.exit(f"check_sass: no flash_fwd_kernel in {module}")
+    failed = False
+    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN))
+    for name, body in kernels:
+        counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
+        ok = all(counts[r] > 0 for r in REQUIRED) and all(counts[f] == 0 for f in FORBIDDEN)
+        failed |= not ok
+        short = re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_12KernelTraitsIN7cutlass", "", name)[:58]
+        print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + ("" if ok else "  FAIL"))
+    print(f"{len(kernels)} forward kernels checked: {'FAIL' if failed else 'ok'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

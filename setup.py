@@ -1,0 +1,114 @@
+"""Builds flash3._C, the Hopper attention kernels, with PyTorch's CUDAExtension and ninja.
+
+Environment variables:
+  FLASH3_HDIMS     comma list of head dims to compile (default: 64,96,128,192,256)
+  FLASH3_DTYPES    comma list of dtypes to compile (default: bf16,fp16)
+  CUTLASS_DIR      a CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel
+  MAX_JOBS         parallel compile jobs (ninja); NVCC_THREADS threads per nvcc (default 2)
+
+Build with `pip install --no-build-isolation .` (or `-e .`): the extension compiles
+against the torch already installed.
+"""
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+ALL_HDIMS = [64, 96, 128, 192, 256]
+ALL_DTYPES = ["bf16", "fp16"]
+
+
+def _env_list(name, allowed, convert=str):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return list(allowed)
+    values = [convert(x.strip()) for x in raw.split(",") if x.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise SystemExit(f"{name}={raw!r}: {bad} not supported; choose from {allowed}")
+    return values
+
+
+def cutlass_include_dir():
+    override = os.environ.get("CUTLASS_DIR")
+    if override:
+        path = Path(override) / "include"
+        if not (path / "cute" / "tensor.hpp").exists():
+            raise SystemExit(f"CUTLASS_DIR={override}: no include/cute/tensor.hpp there")
+        return str(path)
+    try:
+        import cutlass_library
+    except ImportError as exc:
+        raise SystemExit(
+            "flash3 needs the CUTLASS/CuTe headers: `pip install nvidia-cutlass` "
+            "or set CUTLASS_DIR to a CUTLASS checkout (see third_party/README.md)"
+        ) from exc
+    path = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    if not (path / "cute" / "tensor.hpp").exists():
+        raise SystemExit(f"nvidia-cutlass is installed but {path} holds no CuTe headers")
+    return str(path)
+
+
+def _set_cuda_home():
+    """torch locates CUDA from CUDA_HOME, else from the nvcc on PATH. A wrapper script
+    there (as on some images) points it at the wrong folder; prefer /usr/local/cuda
+    when that holds the runtime headers."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    default = Path("/usr/local/cuda")
+    if (default / "include" / "cuda_runtime.h").exists():
+        os.environ["CUDA_HOME"] = str(default)
+
+
+def extension():
+    _set_cuda_home()
+    from torch.utils.cpp_extension import CUDAExtension
+
+    hdims = _env_list("FLASH3_HDIMS", ALL_HDIMS, int)
+    dtypes = _env_list("FLASH3_DTYPES", ALL_DTYPES)
+    hdim_mask = sum(1 << ALL_HDIMS.index(h) for h in hdims)
+    dtype_mask = sum(1 << ALL_DTYPES.index(d) for d in dtypes)
+
+    kernels = sorted(
+        f"csrc/instantiations/{p.name}"
+        for p in (ROOT / "csrc" / "instantiations").glob("fwd_*.cu")
+        if p.stem.split("_")[1] in dtypes and int(p.stem.split("_")[2][len("hdim"):]) in hdims
+    )
+    sources = ["csrc/api.cpp", "csrc/dispatch.cu", *kernels]
+
+    defines = [f"-DFLASH3_HDIM_MASK={hdim_mask}", f"-DFLASH3_DTYPE_MASK={dtype_mask}"]
+    nvcc_flags = [
+        "-gencode", "arch=compute_90a,code=sm_90a",
+        "-O3", "-std=c++17", "--use_fast_math", "-DNDEBUG", "-lineinfo",
+        "--expt-relaxed-constexpr",
+        # Lets GMMA::ss_op_selector pick 64xN atoms for N not a power of two (e.g. 80, 112).
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+        "-Xptxas=--warn-on-spills",
+        "--threads", os.environ.get("NVCC_THREADS", "2"),
+        *defines,
+    ]
+    cxx_flags = ["-O3", "-std=c++17", "-DNDEBUG", *defines]
+    return CUDAExtension(
+        name="flash3._C",
+        sources=sources,
+        include_dirs=[str(ROOT / "csrc"), cutlass_include_dir()],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    name="flash3",
+    version="0.1.0",
+    description="FlashAttention-3-class fused attention kernels for NVIDIA Hopper",
+    packages=find_packages(include=["flash3", "flash3.*"]),
+    python_requires=">=3.10",
+    ext_modules=[extension()],
+    cmdclass=cmdclass(),
+)

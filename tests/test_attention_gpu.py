@@ -1,0 +1,171 @@
+"""GPU tests of the forward kernels against float64 references.
+
+Tolerance (FlashAttention's rule): the kernel's max error against a float64 reference is
+at most twice the error of a same-precision PyTorch implementation, plus a rounding floor
+of one unit in the last place of the output's dtype at the output's magnitude.
+Every check draws fresh random inputs and poisons the memory the output will occupy.
+"""
+import math
+import zlib
+
+import pytest
+import torch
+
+import flash3
+from flash3.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+HDIMS = [64, 96, 128, 192, 256]
+# (seqlen_q, seqlen_k): single rows, tails that are not multiples of any tile,
+# seqlen_q != seqlen_k both ways, and a long square one.
+SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+
+
+def _seed(request):
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+def _make_qkv(seed, b, sq, sk, h, hk, d, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _poison_allocator(*shapes_dtypes):
+    """Fill, then free, blocks of the sizes the op will allocate: the caching allocator
+    hands the same memory back, so an element the kernel fails to write reads NaN."""
+    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in shapes_dtypes]
+    del blocks
+
+
+def _run(q, k, v, causal, scale=None):
+    b, sq, h, d = q.shape
+    _poison_allocator(((b, sq, h, d), q.dtype), ((b, h, sq), torch.float32))
+    return flash3.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+
+
+def _skip_unless_built(dtype, d, causal):
+    if not flash3.is_supported("fwd", dtype, d, causal):
+        pytest.skip(f"fwd {dtype} hdim{d} causal={causal} not in this build")
+
+
+def _check_against_reference(q, k, v, causal, out, lse, scale=None):
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=True)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or invalid)"
+    err = (out.double() - out_ref).abs().max().item()
+    err_pt = (out_pt.double() - out_ref).abs().max().item()
+    ulp = torch.finfo(q.dtype).eps * max(out_ref.abs().max().item(), 1e-3)
+    assert err <= 2 * err_pt + ulp, f"max error {err:.3e} > 2 * {err_pt:.3e} (same-precision PyTorch) + {ulp:.1e}"
+    # lse: the same -inf rows (no visible key), and float32 accuracy elsewhere.
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "lse -inf pattern differs"
+    finite = torch.isfinite(lse_ref)
+    if finite.any():
+        lse_err = (lse[finite].double() - lse_ref[finite].double()).abs().max().item()
+        assert lse_err <= 1e-3, f"lse max error {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_forward_matches_reference(request, dtype, d, causal, seqlens):
+    _skip_unless_built(dtype, d, causal)
+    sq, sk = seqlens
+    big = sq * sk > 1_000_000
+    b, h = (1, 2) if big else (2, 3)
+    q, k, v = _make_qkv(_seed(request), b, sq, sk, h, h, d, dtype)
+    out, lse = _run(q, k, v, causal)
+    _check_against_reference(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("hk", [1, 2], ids=["mqa", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gqa_mqa(request, d, causal, hk):
+    _skip_unless_built(torch.bfloat16, d, causal)
+    q, k, v = _make_qkv(_seed(request), 2, 300, 517, 6, hk, d, torch.bfloat16)
+    out, lse = _run(q, k, v, causal)
+    _check_against_reference(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_scale_is_honoured(request, causal):
+    _skip_unless_built(torch.bfloat16, 128, causal)
+    q, k, v = _make_qkv(_seed(request), 2, 257, 385, 4, 4, 128, torch.bfloat16)
+    out, lse = _run(q, k, v, causal, scale=0.3)
+    _check_against_reference(q, k, v, causal, out, lse, scale=0.3)
+
+
+def test_strided_inputs_from_bhsd_views(request):
+    """(batch, nheads, seqlen, headdim) tensors transposed to (b, s, h, d) are read in place."""
+    _skip_unless_built(torch.bfloat16, 128, False)
+    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    q, k, v = (torch.randn(2, 4, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    out, lse = _run(q, k, v, False)
+    _check_against_reference(q, k, v, False, out, lse)
+
+
+def test_unaligned_strides_are_copied(request):
+    """A head dim slice of a wider tensor has strides TMA cannot read: it is copied first."""
+    _skip_unless_built(torch.bfloat16, 64, False)
+    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    wide = torch.randn(2, 200, 3, 3, 68, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (wide[:, :, :, i, 1:65] for i in range(3))
+    out, lse = _run(q, k, v, False)
+    _check_against_reference(q, k, v, False, out, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeated_runs_are_bitwise_identical(request, causal):
+    _skip_unless_built(torch.bfloat16, 128, causal)
+    q, k, v = _make_qkv(_seed(request), 2, 1000, 1000, 4, 4, 128, torch.bfloat16)
+    first = flash3.attention(q, k, v, causal=causal, return_lse=True)
+    for _ in range(3):
+        again = flash3.attention(q, k, v, causal=causal, return_lse=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("sq, sk", [(0, 16), (16, 0), (0, 0)])
+def test_empty_sequences(sq, sk):
+    _skip_unless_built(torch.bfloat16, 128, False)
+    q, k, v = _make_qkv(0, 2, sq, sk, 2, 2, 128, torch.bfloat16)
+    out, lse = flash3.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 2, sq)
+    if sq:
+        assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_backward_raises_not_implemented():
+    _skip_unless_built(torch.bfloat16, 128, False)
+    q, k, v = (t.requires_grad_() for t in _make_qkv(1, 1, 64, 64, 2, 2, 128, torch.bfloat16))
+    out = flash3.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward"):
+        out.sum().backward()
+
+
+def test_torch_compile_fullgraph(request):
+    _skip_unless_built(torch.bfloat16, 128, True)
+    q, k, v = _make_qkv(_seed(request), 2, 300, 300, 4, 4, 128, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash3.attention(q, k, v, causal=True) * 2, fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out, flash3.attention(q, k, v, causal=True) * 2)
+
+
+def test_opcheck(request):
+    _skip_unless_built(torch.bfloat16, 128, False)
+    q, k, v = _make_qkv(_seed(request), 2, 130, 250, 4, 2, 128, torch.bfloat16)
+    torch.library.opcheck(torch.ops.flash3.fwd.default, (q, k, v, 0.125, False))
+
+
+def test_non_hopper_message_mentions_sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    q, k, v = _make_qkv(0, 1, 8, 8, 2, 2, 128, torch.bfloat16)
+    with pytest.raises(TypeError, match=r"sm_80.*supported: Hopper GPUs \(sm_90"):
+        flash3.attention(q, k, v)
