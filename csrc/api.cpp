@@ -64,17 +64,13 @@ flash3::DType to_dtype(at::ScalarType type) {
 }
 
 // TMA reads each tensor through a descriptor: the last dimension must be contiguous,
-// the other strides multiples of 16 bytes and the base address 16-byte aligned.
-void check_tma_layout(at::Tensor const& t, char const* name) {
-  TORCH_CHECK(t.stride(-1) == 1, "flash3: ", name, " must have a contiguous last dimension, got stride ",
-              t.stride(-1));
+// the other strides multiples of 16 bytes and the base address 16-byte aligned. Any other
+// layout is copied once to a contiguous tensor rather than refused.
+at::Tensor tma_ready(at::Tensor const& t) {
   int64_t const align = 16 / t.element_size();
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(t.stride(d) % align == 0 || t.size(d) == 1, "flash3: ", name, ".stride(", d, ") = ", t.stride(d),
-                " is not a multiple of ", align, " elements (16 bytes); call .contiguous() first");
-  }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash3: ", name,
-              " must be 16-byte aligned");
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) { ok = ok && (t.stride(d) % align == 0 || t.size(d) == 1); }
+  return ok ? t : t.contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
@@ -110,25 +106,25 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   DeviceInfo const& info = device_info(q.get_device());
   TORCH_CHECK(info.major == 9 && info.minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", info.major,
               info.minor);
-  check_tma_layout(q, "q");
-  check_tma_layout(k, "k");
-  check_tma_layout(v, "v");
+  at::Tensor const q_tma = tma_ready(q);
+  at::Tensor const k_tma = tma_ready(k);
+  at::Tensor const v_tma = tma_ready(v);
 
   flash3::FwdParams params;
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
+  params.q_ptr = q_tma.data_ptr();
+  params.k_ptr = k_tma.data_ptr();
+  params.v_ptr = v_tma.data_ptr();
   params.o_ptr = out.data_ptr();
   params.lse_ptr = lse.data_ptr<float>();
-  params.q_batch_stride = q.stride(0);
-  params.q_row_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
-  params.k_batch_stride = k.stride(0);
-  params.k_row_stride = k.stride(1);
-  params.k_head_stride = k.stride(2);
-  params.v_batch_stride = v.stride(0);
-  params.v_row_stride = v.stride(1);
-  params.v_head_stride = v.stride(2);
+  params.q_batch_stride = q_tma.stride(0);
+  params.q_row_stride = q_tma.stride(1);
+  params.q_head_stride = q_tma.stride(2);
+  params.k_batch_stride = k_tma.stride(0);
+  params.k_row_stride = k_tma.stride(1);
+  params.k_head_stride = k_tma.stride(2);
+  params.v_batch_stride = v_tma.stride(0);
+  params.v_row_stride = v_tma.stride(1);
+  params.v_head_stride = v_tma.stride(2);
   params.o_batch_stride = out.stride(0);
   params.o_row_stride = out.stride(1);
   params.o_head_stride = out.stride(2);

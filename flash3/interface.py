@@ -124,19 +124,6 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         )
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernel reads q, k, v with TMA: last dim contiguous, other strides multiples of
-    16 bytes, base 16-byte aligned. Anything else is copied to a contiguous tensor (one
-    extra pass over it) rather than refused."""
-    align = 16 // t.element_size()
-    ok = (
-        t.stride(-1) == 1
-        and all(t.stride(d) % align == 0 or t.shape[d] == 1 for d in range(3))
-        and t.data_ptr() % 16 == 0
-    )
-    return t if ok else t.contiguous()
-
-
 if _C is not None:
 
     @torch.library.register_fake("flash3::fwd")
@@ -189,5 +176,5 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.flash3.fwd(_tma_ready(q), _tma_ready(k), _tma_ready(v), float(softmax_scale), causal)
+    out, lse = torch.ops.flash3.fwd(q, k, v, float(softmax_scale), causal)
     return (out, lse) if return_lse else out

@@ -6,17 +6,23 @@
 
 namespace flash3 {
 
-enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
+enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2, Consumer2 = 3 };
 
-// Hardware named barriers 0..15; CUTLASS reserves the low ids (cutlass::arch::
-// ReservedNamedBarriers), so ours start at FirstUserBarrier. One entry per event.
+// Hardware named barriers 0..15. CUTLASS reserves the low ids
+// (cutlass::arch::ReservedNamedBarriers) and its NamedBarrier::sync/arrive add
+// FirstUserBarrier to the id they are given, so ours count from 0. One entry per event.
 enum class NamedBarrier : int {
-  // Both consumer warpgroups have finished reading sQ: the epilogue may reuse it.
-  QueryTileConsumed = static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier),
-  // Pingpong: warpgroup 0 / 1 may issue its next GEMMs (the other one is in softmax).
-  WarpSchedulerWG0,
-  WarpSchedulerWG1,
+  // Pingpong: consumer warpgroup i may issue its next GEMMs (the others are in softmax).
+  WarpSchedulerWG0 = 0,
+  WarpSchedulerWG1 = 1,
+  WarpSchedulerWG2 = 2,
 };
+static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 3 <= 16,
+              "named barrier ids run past the 16 the hardware has");
+
+CUTLASS_DEVICE NamedBarrier warp_scheduler_barrier(int warpgroup) {
+  return static_cast<NamedBarrier>(static_cast<int>(NamedBarrier::WarpSchedulerWG0) + warpgroup);
+}
 
 CUTLASS_DEVICE void named_barrier_sync(int num_threads, NamedBarrier id) {
   cutlass::arch::NamedBarrier::sync(num_threads, static_cast<int>(id));
@@ -29,8 +35,9 @@ CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
 // block per SM shares 64K registers: 65536 / (W * 128) per thread on average. The
 // producer only issues TMA and needs few; the rest is split between the consumers, in
 // multiples of 8 (setmaxnreg's granularity).
-//   W = 3: 512 per warpgroup-slot; producer 24 (FlashAttention-3 and CUTLASS use 24-40),
-//          consumers (512 - 24) / 2 = 244 -> 240.
+//   W = 3: 170 per thread, 512 per warpgroup-slot; producer 24 (FlashAttention-3 and
+//          CUTLASS use 24-40); consumers (512 - 24) / 2 = 244 -> 240.
+//   W = 4: 128 per thread, 512 per slot; consumers (512 - 24) / 3 = 162 -> 160.
 template <int kConsumerWarpgroups>
 struct RegisterBudget {
   static constexpr int kWarpgroups = kConsumerWarpgroups + 1;

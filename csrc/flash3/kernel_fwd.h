@@ -27,7 +27,9 @@ struct FlashFwdKernel {
   using Mask = Mask_;
   using Mainloop = MainloopFwd<Traits, Mask>;
   using Epilogue = EpilogueFwd<Traits>;
-  using Scheduler = SingleTileScheduler</*kLongestFirst=*/Mask::kIsCausal>;
+  // Equal-length tiles (no mask) are walked by a persistent grid; causal tiles of unequal
+  // length are left to the hardware's dynamic assignment (see scheduler.h).
+  using Scheduler = TileScheduler</*kPersistent=*/!Mask::kIsCausal, /*kLongestFirst=*/Mask::kIsCausal>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
@@ -37,7 +39,10 @@ struct FlashFwdKernel {
 
   struct SharedStorage {
     typename Mainloop::SharedStorage mainloop;
-    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    // Q is loaded once per tile: full when its TMA bytes have landed, empty when both
+    // consumer warpgroups have issued (and finished) their last Q K^T of the tile.
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full;
+    alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;
     alignas(16) typename PipelineK::SharedStorage pipeline_k;
     alignas(16) typename PipelineV::SharedStorage pipeline_v;
   };
@@ -47,9 +52,13 @@ struct FlashFwdKernel {
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
+    typename Scheduler::Params scheduler;
   };
 
-  static Params to_params(FwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p)}; }
+  static Params to_params(FwdParams const& p) {
+    int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    return {Mainloop::to_params(p), Epilogue::to_params(p), Scheduler::to_params(num_m_blocks, p.nheads, p.batch)};
+  }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
@@ -60,7 +69,8 @@ struct FlashFwdKernel {
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
-      storage.barrier_q.init(/*arrive_count=*/1);
+      storage.barrier_q_full.init(/*arrive_count=*/1);
+      storage.barrier_q_empty.init(/*arrive_count=*/Traits::kConsumerThreads);
     }
 
     // The producer warp's elected thread arrives with the transaction bytes; every
@@ -82,24 +92,35 @@ struct FlashFwdKernel {
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();
 
-    auto const tile = Scheduler::tile();
-
+    auto const& sched = params.scheduler;
     if (role == WarpGroupRole::Producer) {
       cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_k = cutlass::make_producer_start_state<PipelineK>();
         PipelineState write_v = cutlass::make_producer_start_state<PipelineV>();
-        Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q, pipeline_k, pipeline_v,
-                       write_k, write_v, tile.m_block, tile.head, tile.batch);
+        int q_phase = 0;  // flips with every tile that loads Q
+        for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+          auto const tile = Scheduler::coord(sched, t);
+          if (Mainloop::n_block_end(params.mainloop, tile.m_block) <= 0) { continue; }
+          Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
+                         q_phase, pipeline_k, pipeline_v, write_k, write_v, tile.m_block, tile.head, tile.batch);
+          q_phase ^= 1;
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       PipelineState read_k, read_v;
-      Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
-      auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q, pipeline_k, pipeline_v,
-                               read_k, read_v, tOrO, thread_idx, tile.m_block);
-      Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+      int q_phase = 0;
+      for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+        auto const tile = Scheduler::coord(sched, t);
+        bool const has_keys = Mainloop::n_block_end(params.mainloop, tile.m_block) > 0;
+        Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
+        auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
+                                 q_phase, pipeline_k, pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
+        if (has_keys) { q_phase ^= 1; }
+        Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+      }
     }
   }
 };

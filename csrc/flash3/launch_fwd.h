@@ -13,11 +13,9 @@ namespace flash3 {
 
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim>, Mask>;
-  using Traits = typename Kernel::Traits;
+  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal>, Mask>;
   auto kernel_params = Kernel::to_params(params);
-  int const num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  dim3 const grid = Kernel::Scheduler::grid(num_m_blocks, params.nheads, params.batch);
+  dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   auto* kernel = &flash_fwd_kernel<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
   // Above 48 KB a kernel must opt in to dynamic shared memory; the attribute is per

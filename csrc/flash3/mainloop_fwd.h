@@ -94,9 +94,12 @@ struct MainloopFwd {
 
   // Producer: one elected thread of the producer warp. Q once, then K and V tile by
   // tile from the last key tile down (the masked tiles first, see mask.h). K and V have
-  // separate pipelines so that S = Q K^T can start before V has landed.
+  // separate pipelines so that S = Q K^T can start before V has landed. The first K goes
+  // out before Q: it only needs a free stage, while Q must wait until the consumers are
+  // done with the previous tile's Q.
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
-                                  cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
                                   PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineState& write_k, PipelineState& write_v,
                                   int m_block, int head, int batch) {
@@ -124,8 +127,12 @@ struct MainloopFwd {
     pipeline_k.producer_acquire(write_k);
     copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
     ++write_k;
-    barrier_q.arrive_and_expect_tx(Traits::kBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q)), tQgQ, tQsQ);
+    // The empty barrier starts in phase 0; waiting on the opposite parity passes at once
+    // for the first tile.
+    barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
+    barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
+         tQgQ, tQsQ);
     pipeline_v.producer_acquire(write_v);
     copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
     ++write_v;
@@ -140,30 +147,33 @@ struct MainloopFwd {
     }
   }
 
-  // Pingpong between the two consumer warpgroups: a warpgroup waits for its turn before
-  // issuing WGMMAs and hands the turn over right after issuing them, so that while one
-  // warpgroup's GEMMs occupy the tensor cores the other one runs its softmax.
+  // Pingpong between the consumer warpgroups: a warpgroup waits for its turn before
+  // issuing WGMMAs and hands the turn to the next one (in a ring) right after issuing
+  // them, so that while one warpgroup's GEMMs occupy the tensor cores the others run
+  // their softmax. Each barrier counts the waiting warpgroup and the one handing over.
   struct WarpScheduler {
-    int warpgroup;  // 0 or 1 among the consumers
-    int slots;      // how many times this warpgroup issues GEMMs
+    static constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
+    static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+    int warpgroup;  // index among the consumers
+    int slots;      // how many times this warpgroup issues GEMMs for the tile
     int issued = 0;
 
-    CUTLASS_DEVICE NamedBarrier own() const { return warpgroup == 0 ? NamedBarrier::WarpSchedulerWG0 : NamedBarrier::WarpSchedulerWG1; }
-    CUTLASS_DEVICE NamedBarrier other() const { return warpgroup == 0 ? NamedBarrier::WarpSchedulerWG1 : NamedBarrier::WarpSchedulerWG0; }
-
-    // Warpgroup 0 goes first: warpgroup 1 hands it the first turn.
+    // Warpgroup 0 goes first: the last warpgroup hands it the first turn.
     CUTLASS_DEVICE void start() const {
-      if (warpgroup == 1 && slots > 0) { named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, NamedBarrier::WarpSchedulerWG0); }
+      if (warpgroup == kWarpgroups - 1 && slots > 0) {
+        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0));
+      }
     }
     CUTLASS_DEVICE void wait_turn() const {
-      named_barrier_sync(2 * cutlass::NumThreadsPerWarpGroup, own());  // LOCK: the tensor cores are ours
+      named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup));  // LOCK: the tensor cores are ours
     }
-    // Both warpgroups issue the same number of times; warpgroup 1's last hand-over would
-    // have no matching wait (its first one was start()), so it is skipped.
+    // Every warpgroup issues the same number of times per tile; the last warpgroup's
+    // final hand-over would have no matching wait (its first one was start()), so it is
+    // skipped and the barriers are balanced at every tile boundary.
     CUTLASS_DEVICE void pass_turn() {
       ++issued;
-      if (!(warpgroup == 1 && issued == slots)) {
-        named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, other());  // UNLOCK
+      if (!(warpgroup == kWarpgroups - 1 && issued == slots)) {
+        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
       }
     }
   };
@@ -174,7 +184,8 @@ struct MainloopFwd {
   // (the intra-warpgroup overlap of the paper).
   template <class TensorO>
   CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
-                                 cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                 cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                 cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineState& read_k, PipelineState& read_v,
                                  TensorO& tOrO, int thread_idx, int m_block) {
@@ -218,7 +229,7 @@ struct MainloopFwd {
       return tSrS_rowcol;
     };
 
-    barrier_q.wait(/*phase=*/0);
+    barrier_q_full.wait(q_phase);
 
     // First key tile: S only.
     int n_block = n_end - 1;
@@ -230,6 +241,7 @@ struct MainloopFwd {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_k);  // UNLOCK K stage
     ++read_k;
+    if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ: that was the last Q K^T
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
       softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol);
@@ -252,6 +264,7 @@ struct MainloopFwd {
       warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
       pipeline_k.consumer_release(read_k);  // UNLOCK K stage
       ++read_k;
+      if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ: that was the last Q K^T
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
       auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free

@@ -12,38 +12,41 @@ namespace flash3 {
 
 using namespace cute;
 
-// Tile sizes per head dim. kBlockM rows of Q are split between the consumer warpgroups
-// (64 rows each, the M of one WGMMA). kBlockN is the largest key tile for which
-// Q + kStages * (K + V) fits in the 227 KB of shared memory and the consumers' S and O
-// accumulators fit in 240 registers.
-//   hdim  kBlockN  smem (Q + 2 stages of K and V)
-//    64     128     16 KB + 64 KB
-//    96     128     24 KB + 96 KB
-//   128     128     32 KB + 128 KB
-//   192     112     48 KB + 168 KB
-//   256      80     64 KB + 160 KB
-template <int kHeadDim>
+// Tile sizes per head dim and mask. kBlockM = 64 rows of Q per consumer warpgroup (the M
+// of one WGMMA); kBlockN keys per K/V tile. Limits: Q + kStages * (K + V) within the
+// 227 KB of shared memory, and per consumer thread the S accumulator (kBlockN / 2 fp32),
+// P (kBlockN / 4 registers) and O (kHeadDim / 2 fp32) within the setmaxnreg budget (240
+// with two consumer warpgroups, 160 with three).
+//   hdim  WGs  kBlockM  kBlockN        smem: Q + 2 stages of K and V
+//    64    3     192      128           24 KB + 64 KB   (softmax-bound: two warpgroups
+//                                                        in softmax while one runs GEMMs)
+//    96    2     128      128           24 KB + 96 KB
+//   128    2     128   176 / 128 causal 32 KB + 176 KB  (causal: finer diagonal tiles)
+//   192    2     128      112           48 KB + 168 KB
+//   256    2     128       80           64 KB + 160 KB
+template <int kHeadDim, bool kIsCausal>
 struct TileConfig;
-template <> struct TileConfig<64>  { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
-template <> struct TileConfig<96>  { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
-template <> struct TileConfig<128> { static constexpr int kBlockN = 128; static constexpr int kStages = 2; };
-template <> struct TileConfig<192> { static constexpr int kBlockN = 112; static constexpr int kStages = 2; };
-template <> struct TileConfig<256> { static constexpr int kBlockN = 80;  static constexpr int kStages = 2; };
+template <bool kIsCausal> struct TileConfig<64, kIsCausal>  { static constexpr int kConsumerWarpgroups = 3, kBlockN = 128, kStages = 2; };
+template <bool kIsCausal> struct TileConfig<96, kIsCausal>  { static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2; };
+template <bool kIsCausal> struct TileConfig<128, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : 176, kStages = 2; };
+template <bool kIsCausal> struct TileConfig<192, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = 112, kStages = 2; };
+template <bool kIsCausal> struct TileConfig<256, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = 80, kStages = 2; };
 
-template <class Element_, int kHeadDim_>
+template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  static constexpr int kConsumerWarpgroups = 2;
+  using Config = TileConfig<kHeadDim, kIsCausal_>;
+  static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kProducerWarpgroups = 1;
   static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
 
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  static constexpr int kBlockN = TileConfig<kHeadDim>::kBlockN;
-  static constexpr int kStages = TileConfig<kHeadDim>::kStages;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
