@@ -30,7 +30,7 @@ deps:
 endif
 
 install: deps
-	$(PYTHON) -m pip install --no-build-isolation -e . -v 2>&1 | grep -E "^\[[0-9]+/[0-9]+\]|error|Successfully" || true
+	$(PYTHON) -m pip install --no-build-isolation -e .
 	$(PYTHON) -c "import flash3; info = flash3.build_info(); assert info['kernels'], info; print(len(info['kernels']), 'kernels built')"
 
 test: install

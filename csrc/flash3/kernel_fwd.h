@@ -27,9 +27,10 @@ struct FlashFwdKernel {
   using Mask = Mask_;
   using Mainloop = MainloopFwd<Traits, Mask>;
   using Epilogue = EpilogueFwd<Traits>;
-  // Equal-length tiles (no mask) are walked by a persistent grid; causal tiles of unequal
-  // length are left to the hardware's dynamic assignment (see scheduler.h).
-  using Scheduler = TileScheduler</*kPersistent=*/!Mask::kIsCausal, /*kLongestFirst=*/Mask::kIsCausal>;
+  // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
+  // causal tiles of unequal length are left to the hardware's dynamic assignment
+  // (see scheduler.h and traits.h).
+  using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;

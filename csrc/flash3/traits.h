@@ -17,20 +17,40 @@ using namespace cute;
 // 227 KB of shared memory, and per consumer thread the S accumulator (kBlockN / 2 fp32),
 // P (kBlockN / 4 registers) and O (kHeadDim / 2 fp32) within the setmaxnreg budget (240
 // with two consumer warpgroups, 160 with three).
-//   hdim  WGs  kBlockM  kBlockN        smem: Q + 2 stages of K and V
-//    64    3     192      128           24 KB + 64 KB   (softmax-bound: two warpgroups
-//                                                        in softmax while one runs GEMMs)
-//    96    2     128      128           24 KB + 96 KB
-//   128    2     128   176 / 128 causal 32 KB + 176 KB  (causal: finer diagonal tiles)
-//   192    2     128      112           48 KB + 168 KB
-//   256    2     128       80           64 KB + 160 KB
+//
+// kPersistent: a grid of one CTA per SM walking the tiles (scheduler.h), which overlaps a
+// tile's loads with the previous tile's math; only for equal-length (non-causal) tiles,
+// and only where the loop's extra live registers fit (at hdim 256 they spill 12 B).
+//   hdim  WGs  kBlockM  kBlockN          persistent  smem: Q + 2 stages of K and V
+//    64    3     192   128 / 112 causal   non-causal  24 KB + 64 KB   (softmax-bound: two
+//                                                     warpgroups in softmax while one runs
+//                                                     GEMMs; causal spills 32 B at 128)
+//    96    2     128      128             non-causal  24 KB + 96 KB
+//   128    2     128   176 / 128 causal   non-causal  32 KB + 176 KB  (causal: finer diagonal)
+//   192    2     128      112             no          48 KB + 168 KB
+//   256    2     128       80             no          64 KB + 160 KB
 template <int kHeadDim, bool kIsCausal>
 struct TileConfig;
-template <bool kIsCausal> struct TileConfig<64, kIsCausal>  { static constexpr int kConsumerWarpgroups = 3, kBlockN = 128, kStages = 2; };
-template <bool kIsCausal> struct TileConfig<96, kIsCausal>  { static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2; };
-template <bool kIsCausal> struct TileConfig<128, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : 176, kStages = 2; };
-template <bool kIsCausal> struct TileConfig<192, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = 112, kStages = 2; };
-template <bool kIsCausal> struct TileConfig<256, kIsCausal> { static constexpr int kConsumerWarpgroups = 2, kBlockN = 80, kStages = 2; };
+template <bool kIsCausal> struct TileConfig<64, kIsCausal> {
+  static constexpr int kConsumerWarpgroups = 3, kBlockN = kIsCausal ? 112 : 128, kStages = 2;
+  static constexpr bool kPersistent = !kIsCausal;
+};
+template <bool kIsCausal> struct TileConfig<96, kIsCausal> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2;
+  static constexpr bool kPersistent = !kIsCausal;
+};
+template <bool kIsCausal> struct TileConfig<128, kIsCausal> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : 176, kStages = 2;
+  static constexpr bool kPersistent = !kIsCausal;
+};
+template <bool kIsCausal> struct TileConfig<192, kIsCausal> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = 112, kStages = 2;
+  static constexpr bool kPersistent = false;
+};
+template <bool kIsCausal> struct TileConfig<256, kIsCausal> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = 80, kStages = 2;
+  static constexpr bool kPersistent = false;
+};
 
 template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct KernelTraits {
@@ -47,6 +67,7 @@ struct KernelTraits {
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  static constexpr bool kPersistent = Config::kPersistent;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
