@@ -16,6 +16,11 @@ export MAX_JOBS
 
 .PHONY: deps install test test-gpu bench sass clean
 
+# Rebuild only when a source changes (pip's editable build does not reuse objects).
+# After changing FLASH3_HDIMS / FLASH3_DTYPES, run `make clean` first.
+BUILD_STAMP := build/.flash3-built
+SOURCES := setup.py $(shell find csrc -name '*.cu' -o -name '*.cpp' -o -name '*.h')
+
 $(VENV)/.deps:
 	$(BOOTSTRAP_PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
@@ -29,9 +34,12 @@ deps:
 	@$(PYTHON) -c "import torch, ninja, pytest" || (echo "PYTHON=$(PYTHON) lacks torch/ninja/pytest" && false)
 endif
 
-install: deps
+$(BUILD_STAMP): $(SOURCES) | deps
 	$(PYTHON) -m pip install --no-build-isolation -e .
 	$(PYTHON) -c "import flash3; info = flash3.build_info(); assert info['kernels'], info; print(len(info['kernels']), 'kernels built')"
+	mkdir -p build && touch $@
+
+install: $(BUILD_STAMP)
 
 test: install
 	$(PYTHON) -m pytest -q tests
@@ -46,4 +54,4 @@ sass: install
 	$(PYTHON) scripts/check_sass.py --dump sass/flash3.sass
 
 clean:
-	rm -rf build dist *.egg-info flash3/_C*.so sass
+	rm -rf build dist *.egg-info flash3/_C*.so sass $(BUILD_STAMP)

@@ -151,6 +151,8 @@ struct MainloopFwd {
   // issuing WGMMAs and hands the turn to the next one (in a ring) right after issuing
   // them, so that while one warpgroup's GEMMs occupy the tensor cores the others run
   // their softmax. Each barrier counts the waiting warpgroup and the one handing over.
+  // Where Traits::kPingpong is off the warpgroups issue freely and the hardware's warp
+  // scheduler interleaves them (measured faster for some tiles, see traits.h).
   struct WarpScheduler {
     static constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
     static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
@@ -160,17 +162,20 @@ struct MainloopFwd {
 
     // Warpgroup 0 goes first: the last warpgroup hands it the first turn.
     CUTLASS_DEVICE void start() const {
+      if (!Traits::kPingpong) { return; }
       if (warpgroup == kWarpgroups - 1 && slots > 0) {
         named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0));
       }
     }
     CUTLASS_DEVICE void wait_turn() const {
+      if (!Traits::kPingpong) { return; }
       named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup));  // LOCK: the tensor cores are ours
     }
     // Every warpgroup issues the same number of times per tile; the last warpgroup's
     // final hand-over would have no matching wait (its first one was start()), so it is
     // skipped and the barriers are balanced at every tile boundary.
     CUTLASS_DEVICE void pass_turn() {
+      if (!Traits::kPingpong) { return; }
       ++issued;
       if (!(warpgroup == kWarpgroups - 1 && issued == slots)) {
         named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
