@@ -7,6 +7,9 @@ the instructions the design promises:
   SYNCS        mbarrier waits and arrivals of the TMA pipelines
   BAR.SYNC / BAR.ARV   named barriers (pingpong scheduling of the consumer warpgroups)
 
+The FP8 kernels (flash_fwd_fp8_kernel) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
+in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (stmatrix).
+
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
 time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
 from Triton's wheel.
@@ -24,6 +27,8 @@ NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
+REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
+KERNEL_NAMES = ("flash_fwd_kernel", "flash_fwd_fp8_kernel")
 
 
 def kernel_config(name: str):
@@ -76,18 +81,25 @@ def main():
     if args.dump:
         args.dump.parent.mkdir(parents=True, exist_ok=True)
         args.dump.write_text(sass)
-    kernels = [(name, body) for name, body in split_functions(sass) if "flash_fwd_kernel" in name]
+    kernels = [(name, body) for name, body in split_functions(sass) if any(k in name for k in KERNEL_NAMES)]
     if not kernels:
         sys.exit(f"check_sass: no flash_fwd_kernel in {module}")
     failed = False
-    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN))
+    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN) + "  (fp8: QGMMA LDSM.T STSM)")
     for name, body in kernels:
-        counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
-        required = [r for r in REQUIRED if not (r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
+        fp8 = "flash_fwd_fp8_kernel" in name
+        counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN}
+        if fp8:
+            required = REQUIRED_FP8
+            counts["HGMMA"] = counts["QGMMA"]
+        else:
+            required = [r for r in REQUIRED if not (r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
         ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
         failed |= not ok
-        short = re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_12KernelTraitsIN7cutlass", "", name)[:58]
-        print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + ("" if ok else "  FAIL"))
+        short = re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_12KernelTraitsIN7cutlass", "", name)
+        short = re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I", "fp8:", short)[:58]
+        extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if fp8 else ""
+        print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra + ("" if ok else "  FAIL"))
     print(f"{len(kernels)} forward kernels checked: {'FAIL' if failed else 'ok'}")
     sys.exit(1 if failed else 0)
 
