@@ -417,7 +417,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
     return row, out_sample
 
 
-def measure_ceilings(warmup: int = 5, reps: int = 20) -> dict:
+def measure_ceilings(warmup: int = 5, reps: int = 20, fp8: bool = False) -> dict:
     """bf16 GEMM 8192^3 TFLOPs/s and device-to-device copy bandwidth (read + write)."""
     torch = _torch()
     res = {}
@@ -429,6 +429,13 @@ def measure_ceilings(warmup: int = 5, reps: int = 20) -> dict:
         ms = time_fn(lambda: torch.matmul(a, b, out=c), warmup, reps)
         res["gemm_bf16_tflops"] = 2.0 * n ** 3 / (ms * 1e-3) / 1e12
         res["gemm_bf16_ms"] = ms
+        if fp8:
+            # FP8 GEMM ceiling (e4m3 x e4m3 -> bf16, cuBLASLt through torch._scaled_mm).
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device="cuda")
+            ms8 = time_fn(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup, reps)
+            res["gemm_fp8_tflops"] = 2.0 * n ** 3 / (ms8 * 1e-3) / 1e12
+            del a8, b8
         del a, b, c
     except Exception as e:  # noqa: BLE001
         res["gemm_error"] = _err(e)
@@ -859,8 +866,10 @@ def main(argv=None) -> int:
     rc = 0
     try:
         if args.ceilings:
-            data["ceilings"] = measure_ceilings()
+            data["ceilings"] = measure_ceilings(fp8=args.fp8)
             c = data["ceilings"]
+            if c.get("gemm_fp8_tflops"):
+                print(f"ceilings: fp8 GEMM 8192^3 {_fmt(c.get('gemm_fp8_tflops'), 1)} TFLOPs/s", flush=True)
             print(f"ceilings: bf16 GEMM 8192^3 {_fmt(c.get('gemm_bf16_tflops'), 1)} TFLOPs/s, "
                   f"device copy {_fmt(c.get('copy_TBps'), 2)} TB/s", flush=True)
         for hdim in args.hdims:

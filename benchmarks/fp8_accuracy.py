@@ -12,11 +12,11 @@ plus the bf16 kernel (flash3.attention) as a floor when a GPU is present.
 Distributions:
   outliers  the paper's: N(0, 1), with 0.1% of the entries drawn from N(0, 100) instead
             (standard deviation 10), independently for q, k, v.
-  channel   LLM-activation-like: per-channel outliers. A few head-dim channels (2 of every
-            64) of q and k carry a large, token-consistent offset and gain (x20), as the
-            massive K channels of LLMs do; every token has a log-normal magnitude; v has
-            milder (x5) outlier channels. No model weights are available offline, so this
-            stands in for real activations.
+  channel   LLM-activation-like: per-channel outliers. In K, 2 of every 64 head-dim
+            channels carry a large token-consistent offset (+-8, sign per head) and a 4x
+            gain, as the massive key channels of LLMs do; V has 5x outlier channels; Q is
+            plain N(0, 1). Every token has a log-normal magnitude (sigma 0.3). No model
+            weights can be downloaded here, so this stands in for real activations.
 
 Backends: `emulate` runs the PyTorch specification (flash3.fp8.quantize_ref + emulate:
 float64 math on the quantised inputs, P rounded to e4m3 as the kernel does) anywhere;
@@ -59,19 +59,19 @@ def make_inputs(dist: str, b: int, s: int, h: int, d: int, seed: int, device):
         pick = torch.rand(b, s, h, d, generator=g) < 1e-3
         return torch.where(pick, torch.randn(b, s, h, d, generator=g) * 10.0, x)
 
-    def channel(gain):
+    def channel(gain, offset):
         x = torch.randn(b, s, h, d, generator=g)
         n_out = max(1, d // 32)
         idx = torch.randperm(d, generator=g)[:n_out]
-        offset = torch.randn(h, n_out, generator=g).sign() * gain
-        x[..., idx] = x[..., idx] * gain * 0.25 + offset
-        token_mag = torch.exp(0.5 * torch.randn(b, s, 1, 1, generator=g))
+        signs = torch.randn(h, n_out, generator=g).sign()
+        x[..., idx] = x[..., idx] * gain + signs * offset
+        token_mag = torch.exp(0.3 * torch.randn(b, s, 1, 1, generator=g))
         return x * token_mag
 
     if dist == "outliers":
         q, k, v = outliers(), outliers(), outliers()
     elif dist == "channel":
-        q, k, v = channel(20.0), channel(20.0), channel(5.0)
+        q, k, v = channel(1.0, 0.0), channel(4.0, 8.0), channel(5.0, 0.0)
     else:
         raise ValueError(dist)
     return [t.to(device=device, dtype=torch.bfloat16) for t in (q, k, v)]

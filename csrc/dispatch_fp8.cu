@@ -2,6 +2,8 @@
 // (FLASH3_HDIMS, or e4m3 not in FLASH3_DTYPES) have a null launcher.
 #include "flash3/dispatch_fp8.h"
 
+#include <cstdlib>
+
 #ifndef FLASH3_HDIM_MASK
 #define FLASH3_HDIM_MASK 0x1f  // bit i: head dim {64, 96, 128, 192, 256}[i]
 #endif
@@ -15,7 +17,7 @@ struct NoMask;
 struct CausalMask;
 
 // Defined in launch_fwd_fp8.h, explicitly instantiated in csrc/instantiations/fwd_e4m3_*.cu.
-template <int kHeadDim, class Mask>
+template <int kHeadDim, class Mask, int kBlockN>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream);
 
 namespace {
@@ -27,10 +29,10 @@ constexpr bool fp8_built(int headdim) {
   return ((FLASH3_DTYPE_MASK >> 2) & 1) && ((FLASH3_HDIM_MASK >> bit) & 1);
 }
 
-template <int kHeadDim, class Mask>
+template <int kHeadDim, class Mask, int kBlockN = 0>
 constexpr FwdFp8Launcher fwd_fp8() {
   if constexpr (fp8_built(kHeadDim)) {
-    return &run_fwd_fp8<kHeadDim, Mask>;
+    return &run_fwd_fp8<kHeadDim, Mask, kBlockN>;
   } else {
     return nullptr;
   }
@@ -40,6 +42,7 @@ struct FwdFp8Entry {
   int headdim;
   bool causal;
   FwdFp8Launcher launch;
+  int block_n = 0;  // 0: the default tile; else an alternative, chosen by FLASH3_FP8_BLOCK_N
 };
 
 // clang-format off
@@ -51,6 +54,9 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask>()},
   {  256,  false, fwd_fp8<256, NoMask>()},
   {  256,  true,  fwd_fp8<256, CausalMask>()},
+  // Alternatives for A/B runs (FLASH3_FP8_BLOCK_N=64).
+  {  256,  false, fwd_fp8<256, NoMask, 64>(), 64},
+  {  256,  true,  fwd_fp8<256, CausalMask, 64>(), 64},
 };
 // clang-format on
 
@@ -59,16 +65,29 @@ FwdFp8Entry const kFwdFp8Table[] = {
 std::vector<Fp8KernelInfo> built_kernels_fp8() {
   std::vector<Fp8KernelInfo> kernels;
   for (auto const& entry : kFwdFp8Table) {
-    if (entry.launch != nullptr) { kernels.push_back({entry.headdim, entry.causal}); }
+    if (entry.launch != nullptr && entry.block_n == 0) { kernels.push_back({entry.headdim, entry.causal}); }
   }
   return kernels;
 }
 
+// FLASH3_FP8_BLOCK_N (read once): run the alternative key tile where one is built.
+static int alternative_block_n() {
+  static int const value = [] {
+    char const* env = std::getenv("FLASH3_FP8_BLOCK_N");
+    return env != nullptr ? std::atoi(env) : 0;
+  }();
+  return value;
+}
+
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
-  for (auto const& entry : kFwdFp8Table) {
-    if (entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr) {
-      *err = entry.launch(params, stream);
-      return true;
+  int const alt = alternative_block_n();
+  for (int pass = 0; pass < 2; ++pass) {
+    int const block_n = pass == 0 ? alt : 0;
+    for (auto const& entry : kFwdFp8Table) {
+      if (entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr && entry.block_n == block_n) {
+        *err = entry.launch(params, stream);
+        return true;
+      }
     }
   }
   return false;

@@ -95,6 +95,12 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 
+def _inv_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    # x8 = x * (448 / amax), as the CUDA quantiser computes it (a multiply, not a divide by
+    # the scale: the two round differently for ~0.2% of bf16 inputs).
+    return torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+
+
 def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = None, per_tensor: bool = False):
     """Quantise ``x`` (batch, seqlen, nheads, headdim) to e4m3, PyTorch reference.
 
@@ -107,15 +113,16 @@ def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = 
     xf = rotate(x, signs) if signs is not None else x.float()
     nblk = -(-s // block_rows)
     if per_tensor:
-        scale = _scale_from_amax(xf.abs().amax()).float()
-        scales = scale.reshape(1, 1, 1).expand(b, h, nblk)
-        return (xf / scale).to(torch.float8_e4m3fn), scales
+        amax = xf.abs().amax().float()
+        scales = _scale_from_amax(amax).reshape(1, 1, 1).expand(b, h, nblk)
+        return (xf * _inv_scale_from_amax(amax)).to(torch.float8_e4m3fn), scales
     pad = nblk * block_rows - s
     xp = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, pad)) if pad else xf
     amax = xp.reshape(b, nblk, block_rows, h, d).abs().amax(dim=(2, 4))  # (b, nblk, h)
-    scales = _scale_from_amax(amax).permute(0, 2, 1).contiguous().float()  # (b, h, nblk)
-    per_row = scales.permute(0, 2, 1).repeat_interleave(block_rows, dim=1)[:, :s, :, None]  # (b, s, h, 1)
-    return (xf / per_row).to(torch.float8_e4m3fn), scales
+    amax = amax.float()
+    scales = _scale_from_amax(amax).permute(0, 2, 1).contiguous()  # (b, h, nblk)
+    inv = _inv_scale_from_amax(amax).repeat_interleave(block_rows, dim=1)[:, :s, :, None]  # (b, s, h, 1)
+    return (xf * inv).to(torch.float8_e4m3fn), scales
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:

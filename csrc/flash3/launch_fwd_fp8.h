@@ -10,9 +10,10 @@
 
 namespace flash3 {
 
-template <int kHeadDim, class Mask>
+// kBlockN: 0 for the tile of TileConfigFp8, else an alternative key tile (A/B runs).
+template <int kHeadDim, class Mask, int kBlockN>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal>, Mask>;
+  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.base.num_sms);
   auto* kernel = &flash_fwd_fp8_kernel<Kernel>;
@@ -25,5 +26,5 @@ cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
 
 }  // namespace flash3
 
-#define FLASH3_INSTANTIATE_FWD_FP8(HDIM, MASK) \
-  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK>(flash3::FwdFp8Params const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD_FP8(HDIM, MASK, BLOCK_N) \
+  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK, BLOCK_N>(flash3::FwdFp8Params const&, cudaStream_t);

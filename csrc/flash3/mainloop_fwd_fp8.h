@@ -193,13 +193,12 @@ struct MainloopFwdFp8 {
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong> turns{warpgroup, n_end > 0 ? n_end + 1 : 0};
-    turns.start();
-
     if (n_end <= 0) {
       clear(tOrO);
       return softmax.finalize(tOrO_rowcol, 0.f);
     }
+    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong> const turns{warpgroup};
+    turns.start();
 
     // Scales: this warpgroup's 64 query rows share one (a warpgroup wholly past seqlen_q
     // reads none); each key tile lies in one K and one V scale block.
@@ -210,8 +209,9 @@ struct MainloopFwdFp8 {
                               : 1.f;
     float const* k_scales = params.k_scale.head_ptr(batch, head_kv);
     float const* v_scales = params.v_scale.head_ptr(batch, head_kv);
-    int64_t const k_block_stride = params.k_scale.block_stride;
-    int64_t const v_block_stride = params.v_scale.block_stride;
+    // 32-bit: a scale tensor has fewer than 2^31 blocks per head (registers are tight).
+    int const k_block_stride = int(params.k_scale.block_stride);
+    int const v_block_stride = int(params.v_scale.block_stride);
     auto scale_block = [](int n_block) { return (n_block * kBlockN) / kScaleBlockK; };
     float const qk_scale_log2 = params.softmax_scale_log2 * q_scale;
 
@@ -232,7 +232,7 @@ struct MainloopFwdFp8 {
     pipeline_k.consumer_wait(read_k);
     turns.wait_turn();
     warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-    turns.pass_turn();
+    turns.template pass_turn</*kFinalIssue=*/false>();
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_k);  // UNLOCK K stage
     ++read_k;
@@ -257,7 +257,7 @@ struct MainloopFwdFp8 {
       turns.wait_turn();
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
-      turns.pass_turn();
+      turns.template pass_turn</*kFinalIssue=*/false>();
       warpgroup_wait<1>();  // S(j) has landed; O += P(j+1) V(j+1) may still run
       pipeline_k.consumer_release(read_k);  // UNLOCK K stage
       ++read_k;
@@ -284,7 +284,7 @@ struct MainloopFwdFp8 {
     pipeline_vt.consumer_wait(read_vt);
     turns.wait_turn();
     warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
-    turns.pass_turn();
+    turns.template pass_turn</*kFinalIssue=*/true>();
     warpgroup_wait<0>();
     pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
     ++read_vt;

@@ -23,23 +23,24 @@ using namespace cute;
 //   hdim 256: 32 KB + 2 * 3 * 32 KB = 224 KB
 // Registers per consumer thread (of 240): O kHeadDim / 2, S kBlockN / 2 (two of them live
 // in the overlapped loop), P kBlockN / 8.
-template <int kHeadDim, bool kIsCausal>
+// kBlockNOverride (0: default) picks another key tile for A/B runs (launch_fwd_fp8.h).
+template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0>
 struct TileConfigFp8 {
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : 128;
   static constexpr int kStages = 2;
   static constexpr bool kPersistent = !kIsCausal && kHeadDim <= 128;
   static constexpr bool kPingpong = true;
 };
 
-template <int kHeadDim_, bool kIsCausal_>
+template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0>
 struct KernelTraitsFp8 {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  using Config = TileConfigFp8<kHeadDim, kIsCausal_>;
+  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
@@ -53,10 +54,17 @@ struct KernelTraitsFp8 {
   static_assert(kScaleBlockK % kBlockN == 0, "a key tile must lie within one K/V scale block");
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
 
-  // Register budget (setmaxnreg): 32 for the producer warpgroup (TMA and the V
-  // transpose), 240 for each consumer; 32 * 128 + 240 * 256 = 65536.
-  static constexpr int kProducerRegisters = 32;
-  static constexpr int kConsumerRegisters = 240;
+  // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
+  // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
+  // 16-bit kernels' 24 + 2 * 240 = 64512 (barriers.h) works. The producer warpgroup's V
+  // transpose spills at 24 registers, so up to hdim 128 (O and S need <= 208 per consumer
+  // thread) it gets 32 and the consumers 232: 32 * 128 + 232 * 256 = 63488. At hdim 256 the
+  // consumers need all of 240 with 128-key tiles (and then spill a little, both roles);
+  // with 64-key tiles 232 suffice.
+  static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 64;
+  static constexpr int kProducerRegisters = kSmallConsumer ? 32 : 24;
+  static constexpr int kConsumerRegisters = kSmallConsumer ? 232 : 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 256 <= 64512, "register file over-subscribed");
   static_assert(kConsumerWarpgroups == 2, "register budget is derived for two consumer warpgroups");
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
