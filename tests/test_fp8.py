@@ -169,7 +169,7 @@ def _check_kernel(t, causal, out, lse, softmax_scale=None):
     _, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite)
-    torch.testing.assert_close(lse[finite].double(), lse_ref[finite], atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(lse[finite].double(), lse_ref[finite].double(), atol=2e-3, rtol=1e-4)
 
 
 SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]

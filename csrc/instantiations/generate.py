@@ -12,7 +12,7 @@ MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 # FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Alternative
 # key tiles (selected at run time with FLASH3_FP8_BLOCK_N, for A/B runs) get a _n<N> suffix.
 FP8_HDIMS = [64, 128, 256]
-FP8_ALT_BLOCK_N = {256: [64]}
+FP8_ALT_BLOCK_N = {}  # e.g. {256: [128]}: the 128-key tile at hdim 256, for an A/B run
 
 HERE = Path(__file__).resolve().parent
 
