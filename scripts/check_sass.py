@@ -1,11 +1,12 @@
-"""Dumps the SASS of flash3's compiled module and checks that each forward kernel holds
-the instructions the design promises:
+"""Dumps the SASS of flash3's compiled module and checks that each forward and backward
+kernel holds the instructions the design promises:
 
-  HGMMA        warpgroup MMA (WGMMA) for both GEMMs
-  UTMALDG      TMA loads of Q, K, V
+  HGMMA        warpgroup MMA (WGMMA) for every GEMM
+  UTMALDG      TMA loads of Q, K, V (backward: also dO, lse, dPsum)
   USETMAXREG   setmaxnreg register reallocation between producer and consumers
   SYNCS        mbarrier waits and arrivals of the TMA pipelines
-  BAR.SYNC / BAR.ARV   named barriers (pingpong scheduling of the consumer warpgroups)
+  BAR.SYNC / BAR.ARV   named barriers: forward, pingpong scheduling of the consumer
+               warpgroups; backward, the P/dS hand-over between them (BAR.SYNC only)
 
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
 time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 REQUIRED = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV"]
+REQUIRED_BWD = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC"]
 FORBIDDEN = ["LDL", "STL"]
 NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
@@ -27,7 +29,7 @@ NO_PINGPONG = {(128, False)}
 
 
 def kernel_config(name: str):
-    """(head dim, causal) from the mangled name of flash_fwd_kernel<...KernelTraits<E, D, causal>...>."""
+    """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>."""
     match = re.search(r"KernelTraitsIN7cutlass\w+?ELi(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
 
@@ -76,19 +78,23 @@ def main():
     if args.dump:
         args.dump.parent.mkdir(parents=True, exist_ok=True)
         args.dump.write_text(sass)
-    kernels = [(name, body) for name, body in split_functions(sass) if "flash_fwd_kernel" in name]
-    if not kernels:
-        sys.exit(f"check_sass: no flash_fwd_kernel in {module}")
+    functions = list(split_functions(sass))
     failed = False
     print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN))
-    for name, body in kernels:
-        counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
-        required = [r for r in REQUIRED if not (r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
-        ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
-        failed |= not ok
-        short = re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_12KernelTraitsIN7cutlass", "", name)[:58]
-        print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + ("" if ok else "  FAIL"))
-    print(f"{len(kernels)} forward kernels checked: {'FAIL' if failed else 'ok'}")
+    for kind, required_all in (("fwd", REQUIRED), ("bwd", REQUIRED_BWD)):
+        kernels = [(name, body) for name, body in functions if f"flash_{kind}_kernel" in name]
+        for name, body in kernels:
+            counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
+            required = [r for r in required_all
+                        if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
+            ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
+            failed |= not ok
+            short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
+                                        "", name)[:54]
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + ("" if ok else "  FAIL"))
+        print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if failed else 'ok'}")
+    if not any(f"flash_{kind}_kernel" in name for name, _ in functions for kind in ("fwd", "bwd")):
+        sys.exit(f"check_sass: no flash3 kernel in {module}")
     sys.exit(1 if failed else 0)
 
 

@@ -16,8 +16,12 @@ enum class NamedBarrier : int {
   WarpSchedulerWG0 = 0,
   WarpSchedulerWG1 = 1,
   WarpSchedulerWG2 = 2,
+  // Backward: both halves of P and dS of a query tile are in shared memory.
+  PdSFull = 3,
+  // Backward, deterministic: this CTA's turn to add its dQ into a query tile.
+  DqTurn = 4,
 };
-static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 3 <= 16,
+static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 5 <= 16,
               "named barrier ids run past the 16 the hardware has");
 
 CUTLASS_DEVICE NamedBarrier warp_scheduler_barrier(int warpgroup) {
