@@ -217,12 +217,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   int64_t const seqlen_q_padded = (seqlen_q + 127) / 128 * 128;
   auto lse_log2 = at::empty({batch, nheads, seqlen_q_padded}, f32);
   auto dpsum = at::empty({batch, nheads, seqlen_q_padded}, f32);
-  auto dq_accum = at::zeros({batch, nheads, seqlen_q, headdim}, f32);
+  int64_t const m_blocks = (seqlen_q + flash3::kBwdBlockM - 1) / flash3::kBwdBlockM;
+  auto dq_accum = at::zeros({batch, nheads, m_blocks, flash3::kBwdBlockM * headdim}, f32);
   at::Tensor dq_semaphore;
-  if (deterministic) {
-    int64_t const m_blocks = (seqlen_q + flash3::kBwdSemaphoreBlockM - 1) / flash3::kBwdSemaphoreBlockM;
-    dq_semaphore = at::zeros({batch, nheads, m_blocks}, q.options().dtype(at::kInt));
-  }
+  if (deterministic) { dq_semaphore = at::zeros({batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
   // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed
   // below (a fixed order, so deterministic too).
   bool const gqa = nheads != nheads_k;

@@ -1,8 +1,9 @@
 // FlashBwdKernel: the warp-specialised backward kernel. A CTA owns one key tile of one
-// head: the producer warpgroup loads its K and V once, then streams the query tiles that
-// see it (Q with its lse, dO with its dPsum) through two TMA pipelines; the two consumer
-// warpgroups compute S, dP, P, dS and accumulate dK and dV in registers, and add each
-// tile's dQ into a float32 workspace.
+// head: the producer warpgroup's first warp loads its K and V once, then streams the
+// query tiles that see it (Q with its lse, dO with its dPsum) through two TMA pipelines;
+// the two consumer warpgroups compute S, dP, P, dS and accumulate dK and dV in registers;
+// each query tile's dQ goes to a float32 workspace, added by the producer warpgroup's
+// second warp (a bulk reduction from shared memory) or by the consumers (atomics).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -95,6 +96,8 @@ struct FlashBwdKernel {
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
         Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
                        write_q, write_do, n_block, head, batch);
+      } else if (warp_idx == 1 && Traits::kDqViaSmem) {
+        Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();

@@ -69,6 +69,7 @@ struct MainloopBwd {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_ds;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_lse;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_dpsum;
+    cute::array_aligned<float, Traits::kDqViaSmem ? Traits::kDqElements : 4, 128> smem_dq;
   };
 
   struct Params {
@@ -240,17 +241,15 @@ struct MainloopBwd {
     Tensor tPsP = thr_mma_sdp.partition_C(sP);    // (MMA, MMA_M, MMA_N, PDS)
     Tensor tPsdS = thr_mma_sdp.partition_C(sdS);  // (MMA, MMA_M, MMA_N, PDS)
 
-    // Tile coordinates (row, col) of each S element this thread holds, and of each dQ one.
+    // Tile coordinates (row, col) of each S element this thread holds.
     Tensor cS = make_identity_tensor(select<0, 1>(TileShapeSdP{}));
     Tensor tScS = thr_mma_sdp.partition_C(cS);
     Tensor tScS_rowcol = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
-    Tensor cdQ = make_identity_tensor(select<0, 1>(TileShapedQ{}));
-    Tensor tdQcdQ = thr_mma_dq.partition_C(cdQ);
-    Tensor tdQcdQ_rowcol = make_tensor(tdQcdQ.data(), accumulator_rowcol(tdQcdQ.layout()));
 
     Policy const policy{params.seqlen_q, params.seqlen_k};
-    float* dq_head = params.dq_accum + (int64_t(batch) * params.nheads + head) * params.seqlen_q * kHeadDim;
     int const num_m_blocks = m_end;
+    // dQ workspace tiles of this head: (m_blocks, kDqElements).
+    float* dq_head = params.dq_accum + (int64_t(batch) * params.nheads + head) * num_m_blocks * Traits::kDqElements;
 
     barrier_kv.wait(0);
 
@@ -262,15 +261,14 @@ struct MainloopBwd {
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, do_stage.index()), tdPrV, tdPrdP);
     };
 
-    Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-    Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-    Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-    Tensor tdPrdP_rowcol = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
-    issue_sdp(tSrS, tdPrdP, read_q, read_do);
-
     int pds = 0;  // the P/dS buffer of this query tile
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+
+    // One query tile, from S and dP in flight to dQ handed off. issue_next(tSrS, tdPrdP)
+    // may start the next tile's S and dP right after this tile's GEMMs (kOverlapDq) and
+    // returns whether it did.
+    auto process_tile = [&](auto& tSrS, auto& tdPrdP, int m_block, auto&& issue_next) {
+      Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      Tensor tdPrdP_rowcol = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
       // P = exp2(S * scale * log2(e) - lse * log2(e)) while dO V^T runs.
       warpgroup_wait<1>();
       if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
@@ -314,15 +312,8 @@ struct MainloopBwd {
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
-      bool const has_next = m_block + 1 < m_end;
-      if (Traits::kOverlapDq && has_next) {
-        // The next tile's S and dP go to the tensor cores now (their registers are free:
-        // P and dS are in shared memory), and this tile's dQ atomics overlap them.
-        PipelineState next_q = read_q, next_do = read_do;
-        ++next_q;
-        ++next_do;
-        issue_sdp(tSrS, tdPrdP, next_q, next_do);
-        warpgroup_wait<2>();  // dV, dK, dQ done; S and dP of the next tile in flight
+      if (issue_next(tSrS, tdPrdP)) {
+        warpgroup_wait<2>();  // dV, dK, dQ done; the next tile's S and dP in flight
       } else {
         warpgroup_wait<0>();
       }
@@ -331,20 +322,65 @@ struct MainloopBwd {
       pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
       ++read_do;
 
-      add_dq(params, tdQrdQ, tdQcdQ_rowcol, dq_head, thread_idx, n_block, m_block,
-             (int64_t(batch) * params.nheads + head) * num_m_blocks + m_block);
-      if (!Traits::kOverlapDq && has_next) { issue_sdp(tSrS, tdPrdP, read_q, read_do); }
+      if constexpr (Traits::kDqViaSmem) {
+        // The dQ warp's bulk reduction of the previous tile must have read the buffer.
+        if (m_block > m_begin) { named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // LOCK sdQ
+        float4* sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdQrdQ); i += 4) {
+          sdQ[(i / 4) * kConsumerThreads + thread_idx] =
+              make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+        }
+        // The bulk reduction reads shared memory through the async proxy.
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqFull);  // UNLOCK sdQ: to the dQ warp
+      } else {
+        add_dq(params, tdQrdQ, dq_head + int64_t(m_block) * Traits::kDqElements, thread_idx, n_block,
+               (int64_t(batch) * params.nheads + head) * num_m_blocks + m_block);
+      }
       pds ^= 1;
+    };
+
+    if constexpr (Traits::kOverlapDq) {
+      // Software-pipelined: S and dP of tile m + 1 run while tile m's dQ is added.
+      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+      issue_sdp(tSrS, tdPrdP, read_q, read_do);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        process_tile(tSrS, tdPrdP, m_block, [&](auto& tSrS_next, auto& tdPrdP_next) {
+          if (m_block + 1 >= m_end) { return false; }
+          PipelineState next_q = read_q, next_do = read_do;
+          ++next_q;
+          ++next_do;
+          issue_sdp(tSrS_next, tdPrdP_next, next_q, next_do);
+          return true;
+        });
+      }
+    } else {
+      // Fresh accumulators per tile: nothing stays live across the loop's back edge.
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        issue_sdp(tSrS, tdPrdP, read_q, read_do);
+        process_tile(tSrS, tdPrdP, m_block, [](auto&, auto&) { return false; });
+      }
     }
   }
 
-  // dQ_accum[rows of m_block] += dQ (float2 atomics: two adjacent columns per thread).
-  // Deterministic mode takes turns per query tile in key-tile order: key tile n waits
-  // until tile n - 1 has added (the tiles that see a query tile are 0..n_max, and CTAs
-  // start in blockIdx order, so the one waited for is running or done).
-  template <class TensordQ, class TensorC>
-  CUTLASS_DEVICE static void add_dq(Params const& params, TensordQ const& tdQrdQ, TensorC const& tdQcdQ_rowcol,
-                                    float* dq_head, int thread_idx, int n_block, int m_block, int64_t semaphore_idx) {
+  // The dQ workspace holds each query tile in register order: element i of consumer
+  // thread t at ((i / 4) * kConsumerThreads + t) * 4 + i % 4, so that a warp's float4
+  // accesses are 512 contiguous bytes (the postprocess kernel puts rows back).
+  static constexpr int kDqBarrierThreads = kConsumerThreads + cutlass::NumThreadsPerWarp;
+
+  // Consumers, without kDqViaSmem: dq_tile += dQ with float4 atomics. Deterministic mode
+  // takes turns per query tile in key-tile order: key tile n waits until tile n - 1 has
+  // added (the tiles that see a query tile are 0..n_max, and CTAs start in blockIdx
+  // order, so the one waited for is running or done).
+  template <class TensordQ>
+  CUTLASS_DEVICE static void add_dq(Params const& params, TensordQ const& tdQrdQ, float* dq_tile, int thread_idx,
+                                    int n_block, int64_t semaphore_idx) {
     int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + semaphore_idx : nullptr;
     if (semaphore != nullptr) {
       if (thread_idx == 0) {
@@ -352,27 +388,66 @@ struct MainloopBwd {
       }
       named_barrier_sync(kConsumerThreads, NamedBarrier::DqTurn);  // LOCK dQ tile
     }
-#ifdef FLASH3_BWD_SKIP_DQ  // timing experiments only: what the atomics cost
-    return;
-#endif
-    Tensor tdQrdQ_rowcol = make_tensor(tdQrdQ.data(), accumulator_rowcol(tdQrdQ.layout()));
-    int const row0 = m_block * kBlockM;
+#ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what the atomics cost
+    float4* dq4 = reinterpret_cast<float4*>(dq_tile);
     CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(tdQrdQ_rowcol); ++mi) {
-      int const row = row0 + get<0>(tdQcdQ_rowcol(mi, 0));
-      if (row >= params.seqlen_q) { continue; }
-      float* dq_row = dq_head + int64_t(row) * kHeadDim;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tdQrdQ_rowcol); ni += 2) {
-        int const col = get<1>(tdQcdQ_rowcol(mi, ni));
-        atomicAdd(reinterpret_cast<float2*>(dq_row + col), make_float2(tdQrdQ_rowcol(mi, ni), tdQrdQ_rowcol(mi, ni + 1)));
-      }
+    for (int i = 0; i < size(tdQrdQ); i += 4) {
+      atomicAdd(dq4 + (i / 4) * kConsumerThreads + thread_idx,
+                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
     }
+#endif
     if (semaphore != nullptr) {
       __threadfence();
       named_barrier_sync(kConsumerThreads, NamedBarrier::DqTurn);
       if (thread_idx == 0) { cuda_st_release(semaphore, n_block + 1); }  // UNLOCK dQ tile
     }
+  }
+
+  // The dQ warp (one warp of the producer warpgroup), with kDqViaSmem: per query tile,
+  // waits for the consumers' dQ in shared memory and adds it to the workspace: one bulk
+  // reduction issued by one lane, or, in deterministic mode, in turn (as above) with
+  // float4 atomics from the whole warp.
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
+    int const m_begin = m_block_begin(params, n_block);
+    int const m_end = m_block_end(params);
+    int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    int64_t const head_idx = int64_t(batch) * params.nheads + head;
+    float* dq_head = params.dq_accum + head_idx * m_end * Traits::kDqElements;
+    float const* sdQ = storage.smem_dq.data();
+    uint32_t const sdQ_addr = cute::cast_smem_ptr_to_uint(sdQ);
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqFull);  // LOCK sdQ
+      float* dq_tile = dq_head + int64_t(m_block) * Traits::kDqElements;
+      if (params.dq_semaphore == nullptr) {
+        if (lane == 0) {
+#ifndef FLASH3_BWD_SKIP_DQ
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                       ::"l"(dq_tile), "r"(sdQ_addr), "r"(uint32_t(Traits::kDqElements * sizeof(float)))
+                       : "memory");
+#endif
+          cute::tma_store_arrive();
+          cute::tma_store_wait<0>();  // the reduction has read sdQ
+        }
+        __syncwarp();
+      } else {
+        int* semaphore = params.dq_semaphore + head_idx * m_end + m_block;
+        if (lane == 0) {
+          while (cuda_ld_acquire(semaphore) != n_block) {}
+        }
+        __syncwarp();
+        float4 const* sdQ4 = reinterpret_cast<float4 const*>(sdQ);
+        float4* dq4 = reinterpret_cast<float4*>(dq_tile);
+        for (int j = lane; j < Traits::kDqElements / 4; j += cutlass::NumThreadsPerWarp) {
+          atomicAdd(dq4 + j, sdQ4[j]);
+        }
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) { cuda_st_release(semaphore, n_block + 1); }
+      }
+      // The consumers wait for this only before writing the next tile's dQ.
+      if (m_block + 1 < m_end) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // UNLOCK sdQ
+    }
+    if (lane == 0) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
   }
 
   CUTLASS_DEVICE static int cuda_ld_acquire(int const* ptr) {

@@ -39,9 +39,9 @@ struct FwdParams {
   int num_sms = 0;
 };
 
-// Deterministic backward: the binding allocates one dQ semaphore per query tile of this
-// many rows (the backward kernels' kBlockM is a multiple of it).
-constexpr int kBwdSemaphoreBlockM = 64;
+// The query-tile height of every backward kernel. The binding sizes the dQ workspace
+// (whole tiles) and the deterministic-mode semaphores (one per tile) with it.
+constexpr int kBwdBlockM = 64;
 
 // The backward pass (launch_bwd.h): the forward's tensors plus the gradients and the
 // fp32 workspaces the binding allocates.
@@ -63,9 +63,11 @@ struct BwdParams : FwdParams {
   bool dkv_is_fp32 = false;
 
   // Workspaces, float32. lse_log2 and dpsum: (batch, nheads, seqlen_q_padded), written by
-  // the preprocess kernel; dq_accum: (batch, nheads, seqlen_q, headdim), zeroed by the
-  // binding, summed into by every key tile; dq_semaphore: int32 (batch, nheads,
-  // m_blocks), zeroed, only with deterministic.
+  // the preprocess kernel; dq_accum: (batch, nheads, m_blocks, kBwdBlockM * headdim),
+  // zeroed by the binding, summed into by every key tile, each tile stored in the order
+  // of the dQ accumulator's registers (mainloop_bwd.h) and put back in rows by the
+  // postprocess kernel; dq_semaphore: int32 (batch, nheads, m_blocks), zeroed, only with
+  // deterministic. m_blocks = ceil(seqlen_q / kBwdBlockM).
   float* lse_log2_ptr = nullptr;
   float* dpsum_ptr = nullptr;
   float* dq_accum_ptr = nullptr;

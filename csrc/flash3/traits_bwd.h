@@ -55,13 +55,22 @@ struct BwdKernelTraits {
   // P and dS are double-buffered: a warpgroup may write tile m + 1's while the other still
   // reads tile m's in its dV/dK/dQ GEMMs, so one barrier per tile suffices.
   static constexpr int kPdSStages = 2;
-  // Issue the next query tile's S and dP before this tile's dQ atomics, so that the
-  // atomics overlap tensor-core work. Costs the S and dP accumulators (live during the
-  // atomics next to dQ's): only where dK + dV + S + dP + dQ fit the register budget.
+  // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace. With
+  // kDqViaSmem the consumers drop it in shared memory and a warp of the producer
+  // warpgroup adds it to global memory with one bulk reduction (cp.reduce.async.bulk),
+  // so the consumers never wait on atomics; it needs kBlockM * d * 4 bytes of shared
+  // memory, which hdim 256 does not have left. Otherwise the consumers add it with
+  // float4 atomics, and kOverlapDq issues the next tile's S and dP first so the atomics
+  // overlap tensor-core work, where the extra live accumulators fit the registers.
+#ifdef FLASH3_BWD_DQ_VIA_SMEM
+  static constexpr bool kDqViaSmem = FLASH3_BWD_DQ_VIA_SMEM && kHeadDim != 256;
+#else
+  static constexpr bool kDqViaSmem = kHeadDim != 256;
+#endif
 #ifdef FLASH3_BWD_OVERLAP_DQ
   static constexpr bool kOverlapDq = FLASH3_BWD_OVERLAP_DQ;
 #else
-  static constexpr bool kOverlapDq = kHeadDim != 128 && kHeadDim != 256;
+  static constexpr bool kOverlapDq = !kDqViaSmem && kHeadDim != 128 && kHeadDim != 256;
 #endif
 
   // Both GEMM families split a mode across the two warpgroups.
@@ -115,6 +124,11 @@ struct BwdKernelTraits {
   // The per-row softmax statistics of a query tile: lse (log2 domain) and
   // dPsum = rowsum(dO * O), loaded by TMA beside Q and dO.
   using SmemLayoutRow = Layout<Shape<Int<kBlockM>, Int<kStages>>>;
+
+  // dQ's float32 accumulator tile, kept in the order of the registers that hold it (see
+  // mainloop_bwd.h), so that both the consumers' stores and the global workspace are
+  // contiguous float4 runs.
+  static constexpr int kDqElements = kBlockM * kHeadDim;
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStages>;
   using PipelinedO = cutlass::PipelineTmaAsync<kStages>;
