@@ -70,6 +70,10 @@ struct FlashBwdKernel {
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.barrier_kv.init(/*arrive_count=*/1);
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        storage.mainloop.barrier_dq_full[stage].init(/*arrive_count=*/Traits::kConsumerThreads);
+        storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/1);
+      }
     }
 
     typename PipelineQ::Params pipeline_params;
@@ -96,7 +100,7 @@ struct FlashBwdKernel {
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
         Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
                        write_q, write_do, n_block, head, batch);
-      } else if (warp_idx == 1 && Traits::kDqViaSmem) {
+      } else if (warp_idx == 1) {
         Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
       }
     } else {

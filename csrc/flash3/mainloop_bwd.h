@@ -70,6 +70,12 @@ struct MainloopBwd {
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_lse;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_dpsum;
     cute::array_aligned<float, Traits::kDqViaSmem ? Traits::kDqElements : 4, 128> smem_dq;
+    // The dQ of the tile in (Q/dO) stage s is in shared memory (every consumer thread
+    // arrives); an mbarrier per stage rather than a named barrier, because the consumers
+    // may hand over the next tile before the dQ warp has taken this one.
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages];
+    // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction.
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
   };
 
   struct Params {
@@ -179,6 +185,11 @@ struct MainloopBwd {
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      if constexpr (!Traits::kDqViaSmem) {
+        // The stage was last used by tile m - kStages, whose dQ the dQ warp reads from it.
+        int const uses = m_block - m_begin - Traits::kStages;
+        if (uses >= 0) { storage.barrier_dq_read[write_q.index()].wait((uses / Traits::kStages) & 1); }
+      }
       pipeline_q.producer_acquire(write_q);  // LOCK Q stage
       auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
       copy(params.tma_q.with(*q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
@@ -247,9 +258,6 @@ struct MainloopBwd {
     Tensor tScS_rowcol = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
 
     Policy const policy{params.seqlen_q, params.seqlen_k};
-    int const num_m_blocks = m_end;
-    // dQ workspace tiles of this head: (m_blocks, kDqElements).
-    float* dq_head = params.dq_accum + (int64_t(batch) * params.nheads + head) * num_m_blocks * Traits::kDqElements;
 
     barrier_kv.wait(0);
 
@@ -263,10 +271,8 @@ struct MainloopBwd {
 
     int pds = 0;  // the P/dS buffer of this query tile
 
-    // One query tile, from S and dP in flight to dQ handed off. issue_next(tSrS, tdPrdP)
-    // may start the next tile's S and dP right after this tile's GEMMs (kOverlapDq) and
-    // returns whether it did.
-    auto process_tile = [&](auto& tSrS, auto& tdPrdP, int m_block, auto&& issue_next) {
+    // One query tile, from S and dP in flight to dQ handed to the dQ warp.
+    auto process_tile = [&](auto& tSrS, auto& tdPrdP, int m_block) {
       Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       Tensor tdPrdP_rowcol = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
       // P = exp2(S * scale * log2(e) - lse * log2(e)) while dO V^T runs.
@@ -312,142 +318,116 @@ struct MainloopBwd {
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
-      if (issue_next(tSrS, tdPrdP)) {
-        warpgroup_wait<2>();  // dV, dK, dQ done; the next tile's S and dP in flight
+      warpgroup_wait<0>();
+
+      float4* sdQ;
+      if constexpr (Traits::kDqViaSmem) {
+        // The dQ warp's bulk reduction of the previous tile must have read the buffer.
+        if (m_block > m_begin) { named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // LOCK sdQ
+        sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
       } else {
-        warpgroup_wait<0>();
+        // This tile's Q stage (warpgroup 0's half) and dO stage (warpgroup 1's half), once
+        // both warpgroups' GEMMs have read them; the producer refills them only after the
+        // dQ warp's read.
+        named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
+        int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+        Element* stage = warpgroup == 0 ? storage.smem_q.data() + read_q.index() * kStageElements
+                                        : storage.smem_do.data() + read_do.index() * kStageElements;
+        sdQ = reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
       }
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ); i += 4) {
+        sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+      }
+      // The bulk reduction reads shared memory through the async proxy.
+      cutlass::arch::fence_view_async_shared();
+      storage.barrier_dq_full[read_q.index()].arrive();  // UNLOCK sdQ: to the dQ warp
       pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
       ++read_q;
       pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
       ++read_do;
-
-      if constexpr (Traits::kDqViaSmem) {
-        // The dQ warp's bulk reduction of the previous tile must have read the buffer.
-        if (m_block > m_begin) { named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // LOCK sdQ
-        float4* sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
-        CUTE_UNROLL
-        for (int i = 0; i < size(tdQrdQ); i += 4) {
-          sdQ[(i / 4) * kConsumerThreads + thread_idx] =
-              make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-        }
-        // The bulk reduction reads shared memory through the async proxy.
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqFull);  // UNLOCK sdQ: to the dQ warp
-      } else {
-        add_dq(params, tdQrdQ, dq_head + int64_t(m_block) * Traits::kDqElements, thread_idx, n_block,
-               (int64_t(batch) * params.nheads + head) * num_m_blocks + m_block);
-      }
       pds ^= 1;
     };
 
-    if constexpr (Traits::kOverlapDq) {
-      // Software-pipelined: S and dP of tile m + 1 run while tile m's dQ is added.
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      // Fresh accumulators per tile: nothing stays live across the loop's back edge.
       Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
       Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
       issue_sdp(tSrS, tdPrdP, read_q, read_do);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        process_tile(tSrS, tdPrdP, m_block, [&](auto& tSrS_next, auto& tdPrdP_next) {
-          if (m_block + 1 >= m_end) { return false; }
-          PipelineState next_q = read_q, next_do = read_do;
-          ++next_q;
-          ++next_do;
-          issue_sdp(tSrS_next, tdPrdP_next, next_q, next_do);
-          return true;
-        });
-      }
-    } else {
-      // Fresh accumulators per tile: nothing stays live across the loop's back edge.
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        issue_sdp(tSrS, tdPrdP, read_q, read_do);
-        process_tile(tSrS, tdPrdP, m_block, [](auto&, auto&) { return false; });
-      }
+      process_tile(tSrS, tdPrdP, m_block);
     }
   }
 
-  // The dQ workspace holds each query tile in register order: element i of consumer
-  // thread t at ((i / 4) * kConsumerThreads + t) * 4 + i % 4, so that a warp's float4
-  // accesses are 512 contiguous bytes (the postprocess kernel puts rows back).
   static constexpr int kDqBarrierThreads = kConsumerThreads + cutlass::NumThreadsPerWarp;
+  // One Q (or dO) stage; stage s starts s of these into smem_q (smem_do).
+  static constexpr int kStageElements = kBlockM * kHeadDim;
+  static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
 
-  // Consumers, without kDqViaSmem: dq_tile += dQ with float4 atomics. Deterministic mode
-  // takes turns per query tile in key-tile order: key tile n waits until tile n - 1 has
-  // added (the tiles that see a query tile are 0..n_max, and CTAs start in blockIdx
-  // order, so the one waited for is running or done).
-  template <class TensordQ>
-  CUTLASS_DEVICE static void add_dq(Params const& params, TensordQ const& tdQrdQ, float* dq_tile, int thread_idx,
-                                    int n_block, int64_t semaphore_idx) {
-    int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + semaphore_idx : nullptr;
-    if (semaphore != nullptr) {
-      if (thread_idx == 0) {
-        while (cuda_ld_acquire(semaphore) != n_block) {}
-      }
-      named_barrier_sync(kConsumerThreads, NamedBarrier::DqTurn);  // LOCK dQ tile
-    }
-#ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what the atomics cost
-    float4* dq4 = reinterpret_cast<float4*>(dq_tile);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); i += 4) {
-      atomicAdd(dq4 + (i / 4) * kConsumerThreads + thread_idx,
-                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
-    }
-#endif
-    if (semaphore != nullptr) {
-      __threadfence();
-      named_barrier_sync(kConsumerThreads, NamedBarrier::DqTurn);
-      if (thread_idx == 0) { cuda_st_release(semaphore, n_block + 1); }  // UNLOCK dQ tile
-    }
-  }
-
-  // The dQ warp (one warp of the producer warpgroup), with kDqViaSmem: per query tile,
-  // waits for the consumers' dQ in shared memory and adds it to the workspace: one bulk
-  // reduction issued by one lane, or, in deterministic mode, in turn (as above) with
-  // float4 atomics from the whole warp.
+  // The dQ warp (one warp of the producer warpgroup): per query tile, waits for the
+  // consumers' dQ in shared memory and adds it to the workspace tile with two bulk
+  // reductions issued by one lane. Deterministic mode takes turns per query tile in
+  // key-tile order: key tile n waits until tile n - 1's reductions have completed (the
+  // tiles that see a query tile are 0..n_max, and CTAs start in blockIdx order, so the one
+  // waited for is running or done), so the float32 sums happen in a fixed order.
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
+    // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
     int const m_begin = m_block_begin(params, n_block);
     int const m_end = m_block_end(params);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-    int64_t const head_idx = int64_t(batch) * params.nheads + head;
-    float* dq_head = params.dq_accum + head_idx * m_end * Traits::kDqElements;
-    float const* sdQ = storage.smem_dq.data();
-    uint32_t const sdQ_addr = cute::cast_smem_ptr_to_uint(sdQ);
+    int64_t const head_tile0 = (int64_t(batch) * params.nheads + head) * m_end;
+    constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
+    CUTLASS_PRAGMA_NO_UNROLL
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
-      named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqFull);  // LOCK sdQ
-      float* dq_tile = dq_head + int64_t(m_block) * Traits::kDqElements;
-      if (params.dq_semaphore == nullptr) {
-        if (lane == 0) {
-#ifndef FLASH3_BWD_SKIP_DQ
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                       ::"l"(dq_tile), "r"(sdQ_addr), "r"(uint32_t(Traits::kDqElements * sizeof(float)))
-                       : "memory");
-#endif
-          cute::tma_store_arrive();
-          cute::tma_store_wait<0>();  // the reduction has read sdQ
-        }
-        __syncwarp();
-      } else {
-        int* semaphore = params.dq_semaphore + head_idx * m_end + m_block;
-        if (lane == 0) {
+      int const stage = (m_block - m_begin) % Traits::kStages;
+      // Where the consumers put the two halves (see mma()).
+      float const* half0 = Traits::kDqViaSmem
+          ? storage.smem_dq.data()
+          : reinterpret_cast<float const*>(storage.smem_q.data() + stage * kStageElements);
+      float const* half1 = Traits::kDqViaSmem
+          ? storage.smem_dq.data() + Traits::kDqElements / 2
+          : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements);
+      storage.barrier_dq_full[stage].wait(((m_block - m_begin) / Traits::kStages) & 1);  // LOCK sdQ
+      if (lane == 0) {
+        float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
+        int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+        if (semaphore != nullptr) {
           while (cuda_ld_acquire(semaphore) != n_block) {}
+          // Order the acquire before the (async-proxy) reductions below.
+          asm volatile("fence.proxy.async.global;" ::: "memory");
         }
-        __syncwarp();
-        float4 const* sdQ4 = reinterpret_cast<float4 const*>(sdQ);
-        float4* dq4 = reinterpret_cast<float4*>(dq_tile);
-        for (int j = lane; j < Traits::kDqElements / 4; j += cutlass::NumThreadsPerWarp) {
-          atomicAdd(dq4 + j, sdQ4[j]);
+#ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what adding dQ costs
+        bulk_reduce_add(dq_tile, half0, kHalfBytes);
+        bulk_reduce_add(dq_tile + Traits::kDqElements / 2, half1, kHalfBytes);
+#endif
+        cute::tma_store_arrive();
+        if (semaphore != nullptr) {
+          // Deterministic: the next key tile may add only once this tile's sums are done.
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          __threadfence();
+          cuda_st_release(semaphore, n_block + 1);
+        } else {
+          cute::tma_store_wait<0>();  // the reductions have read shared memory
         }
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) { cuda_st_release(semaphore, n_block + 1); }
       }
-      // The consumers wait for this only before writing the next tile's dQ.
-      if (m_block + 1 < m_end) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // UNLOCK sdQ
+      __syncwarp();
+      if constexpr (Traits::kDqViaSmem) {
+        // The consumers wait for this only before writing the next tile's dQ.
+        if (m_block + 1 < m_end) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // UNLOCK sdQ
+      } else {
+        // The producer waits for this before refilling the stage.
+        if (lane == 0) { storage.barrier_dq_read[stage].arrive(); }  // UNLOCK Q and dO stage
+      }
     }
     if (lane == 0) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+  }
+
+  // global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group).
+  CUTLASS_DEVICE static void bulk_reduce_add(float* dst, float const* src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+                 : "memory");
   }
 
   CUTLASS_DEVICE static int cuda_ld_acquire(int const* ptr) {

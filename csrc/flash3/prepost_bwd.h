@@ -58,12 +58,11 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
 }
 
 // One CTA per query tile; thread t reads the elements consumer thread t held (the
-// workspace's register order, see mainloop_bwd.h) and maps them back to (row, col)
-// through the same tiled MMA.
+// workspace's register order, Traits::dq_float4_index) and maps them back to
+// (row, col) through the same tiled MMA.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kernel(BwdParams const params) {
   using Element = typename Traits::Element;
-  constexpr int kThreads = Traits::kConsumerThreads;
   int const m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   int const tid = threadIdx.x;
   int const m_blocks = gridDim.x;
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
   int const row0 = m_block * Traits::kBlockM;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < cute::size(tdQcdQ); i += 4) {
-    float4 const a = tile[(i / 4) * kThreads + tid];
+    float4 const a = tile[Traits::dq_float4_index(i, tid)];
     float const values[4] = {a.x, a.y, a.z, a.w};
     // Elements (i, i + 1) and (i + 2, i + 3) are pairs of adjacent columns of one row.
     CUTLASS_PRAGMA_UNROLL

@@ -55,22 +55,19 @@ struct BwdKernelTraits {
   // P and dS are double-buffered: a warpgroup may write tile m + 1's while the other still
   // reads tile m's in its dV/dK/dQ GEMMs, so one barrier per tile suffices.
   static constexpr int kPdSStages = 2;
-  // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace. With
-  // kDqViaSmem the consumers drop it in shared memory and a warp of the producer
-  // warpgroup adds it to global memory with one bulk reduction (cp.reduce.async.bulk),
-  // so the consumers never wait on atomics; it needs kBlockM * d * 4 bytes of shared
-  // memory, which hdim 256 does not have left. Otherwise the consumers add it with
-  // float4 atomics, and kOverlapDq issues the next tile's S and dP first so the atomics
-  // overlap tensor-core work, where the extra live accumulators fit the registers.
+  // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace by a
+  // warp of the producer warpgroup (the dQ warp) with bulk reductions from shared memory
+  // (cp.reduce.async.bulk), so the consumers never wait on atomics. The consumers drop
+  // the tile in a buffer of its own (kDqViaSmem: kBlockM * d * 4 bytes), or, where shared
+  // memory is short (hdim 256), over the tile's Q and dO stages once their GEMMs are done:
+  // each warpgroup's half of dQ, kBlockM * d/2 floats, is exactly the size of one stage
+  // (kBlockM * d 16-bit values); the producer then refills a stage only after the dQ
+  // warp has read it. (Consumer-side float4 atomics instead were measured 15-20% slower
+  // at hdim 64/128 and 2x slower at hdim 256.)
 #ifdef FLASH3_BWD_DQ_VIA_SMEM
-  static constexpr bool kDqViaSmem = FLASH3_BWD_DQ_VIA_SMEM && kHeadDim != 256;
+  static constexpr bool kDqViaSmem = FLASH3_BWD_DQ_VIA_SMEM;
 #else
   static constexpr bool kDqViaSmem = kHeadDim != 256;
-#endif
-#ifdef FLASH3_BWD_OVERLAP_DQ
-  static constexpr bool kOverlapDq = FLASH3_BWD_OVERLAP_DQ;
-#else
-  static constexpr bool kOverlapDq = !kDqViaSmem && kHeadDim != 128 && kHeadDim != 256;
 #endif
 
   // Both GEMM families split a mode across the two warpgroups.
@@ -125,10 +122,18 @@ struct BwdKernelTraits {
   // dPsum = rowsum(dO * O), loaded by TMA beside Q and dO.
   using SmemLayoutRow = Layout<Shape<Int<kBlockM>, Int<kStages>>>;
 
-  // dQ's float32 accumulator tile, kept in the order of the registers that hold it (see
-  // mainloop_bwd.h), so that both the consumers' stores and the global workspace are
-  // contiguous float4 runs.
+  // dQ's float32 accumulator tile, kept in the order of the registers that hold it, so
+  // that the consumers' stores, the bulk reductions and the global workspace are all
+  // contiguous: element i of consumer thread t is float4 number dq_float4_index(i, t)
+  // (warpgroup-major, so each warpgroup's half is one contiguous run).
   static constexpr int kDqElements = kBlockM * kHeadDim;
+  static constexpr int kDqHalfFloat4s = kDqElements / 2 / 4;
+  CUTLASS_HOST_DEVICE static constexpr int dq_float4_index(int i, int t) {
+    return (t / cutlass::NumThreadsPerWarpGroup) * kDqHalfFloat4s + (i / 4) * cutlass::NumThreadsPerWarpGroup +
+           t % cutlass::NumThreadsPerWarpGroup;
+  }
+  static_assert(kBlockM * (kHeadDim / 2) * sizeof(float) == kBlockM * kHeadDim * sizeof(Element),
+                "a warpgroup's dQ half fills one Q (or dO) stage");
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStages>;
   using PipelinedO = cutlass::PipelineTmaAsync<kStages>;
