@@ -4,6 +4,7 @@ Environment variables:
   FLASH3_HDIMS     comma list of head dims to compile (default: 64,96,128,192,256)
   FLASH3_DTYPES    comma list of dtypes to compile (default: bf16,fp16,e4m3); e4m3 is the
                    FP8 forward (head dims 64, 128, 256) and the fused quantiser
+  FLASH3_KINDS     comma list of passes to compile: fwd, bwd (default: both)
   CUTLASS_DIR      a CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel
   MAX_JOBS         parallel compile jobs (ninja); NVCC_THREADS threads per nvcc (default 2)
 
@@ -18,6 +19,7 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 ALL_HDIMS = [64, 96, 128, 192, 256]
 ALL_DTYPES = ["bf16", "fp16", "e4m3"]
+ALL_KINDS = ["fwd", "bwd"]
 
 
 def _env_list(name, allowed, convert=str):
@@ -68,19 +70,29 @@ def extension():
 
     hdims = _env_list("FLASH3_HDIMS", ALL_HDIMS, int)
     dtypes = _env_list("FLASH3_DTYPES", ALL_DTYPES)
+    kinds = _env_list("FLASH3_KINDS", ALL_KINDS)
     hdim_mask = sum(1 << ALL_HDIMS.index(h) for h in hdims)
     dtype_mask = sum(1 << ALL_DTYPES.index(d) for d in dtypes)
+    kind_mask = sum(1 << ALL_KINDS.index(k) for k in kinds)
+
+    def wanted(path):
+        kind, dtype, hdim, _mask = path.stem.split("_")
+        return kind in kinds and dtype in dtypes and int(hdim[len("hdim"):]) in hdims
 
     kernels = sorted(
         f"csrc/instantiations/{p.name}"
-        for p in (ROOT / "csrc" / "instantiations").glob("fwd_*.cu")
-        if p.stem.split("_")[1] in dtypes and int(p.stem.split("_")[2][len("hdim"):]) in hdims
+        for p in (ROOT / "csrc" / "instantiations").glob("*_*_hdim*_*.cu")
+        if wanted(p)
     )
     sources = ["csrc/api.cpp", "csrc/dispatch.cu", *kernels]
-    if "e4m3" in dtypes:
+    if "e4m3" in dtypes and "fwd" in kinds:
         sources += ["csrc/api_fp8.cpp", "csrc/dispatch_fp8.cu", "csrc/quantize_fp8.cu"]
 
-    defines = [f"-DFLASH3_HDIM_MASK={hdim_mask}", f"-DFLASH3_DTYPE_MASK={dtype_mask}"]
+    defines = [
+        f"-DFLASH3_HDIM_MASK={hdim_mask}",
+        f"-DFLASH3_DTYPE_MASK={dtype_mask}",
+        f"-DFLASH3_KIND_MASK={kind_mask}",
+    ]
     nvcc_flags = [
         "-gencode", "arch=compute_90a,code=sm_90a",
         "-O3", "-std=c++17", "--use_fast_math", "-DNDEBUG", "-lineinfo",

@@ -41,8 +41,11 @@ DEFAULT_HDIMS = [64, 128, 256]
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 ALL_BACKENDS = ["flash3", "sdpa-cudnn", "sdpa-flash", "fa3"]
 FP8_BACKENDS = ["flash3-fp8", "flash3-fp8-e2e", "fa3-fp8", "flash3", "sdpa-cudnn"]
+# Opt-in: flash3 with deterministic=True (measures what bitwise-repeatable dq costs).
+EXTRA_BACKENDS = ["flash3-det"]
 BACKEND_ALIASES = {
     "flash3": "flash3",
+    "flash3-det": "flash3-det", "flash3-deterministic": "flash3-det",
     "sdpa-flash": "sdpa-flash", "fa2": "sdpa-flash", "flash": "sdpa-flash",
     "sdpa-cudnn": "sdpa-cudnn", "cudnn": "sdpa-cudnn",
     "fa3": "fa3", "flash_attn_interface": "fa3",
@@ -51,6 +54,7 @@ BACKEND_ALIASES = {
 # Display labels (also cover implementation names found in the anchor JSON).
 LABELS = {
     "flash3": "flash3",
+    "flash3-det": "flash3 det.",
     "sdpa-cudnn": "cuDNN",
     "sdpa-flash": "FA2",
     "fa3": "FA3",
@@ -62,9 +66,10 @@ LABELS = {
     "cudnn-fp8": "cuDNN fp8",
 }
 # Column / bar order in tables and plots.
-DISPLAY_ORDER = ["flash3", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8"]
+DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8"]
 COLORS = {
     "flash3": "#d62728",
+    "flash3-det": "#e377c2",
     "sdpa-cudnn": "#2ca02c",
     "sdpa-flash": "#1f77b4",
     "fa3": "#ff7f0e",
@@ -227,7 +232,7 @@ class Backends:
         return info
 
     def unavailable_reason(self, impl: str) -> str | None:
-        if impl == "flash3" and self.flash3 is None:
+        if impl in ("flash3", "flash3-det") and self.flash3 is None:
             return f"import flash3 failed: {self.flash3_error}"
         if impl in ("fa3", "fa3-fp8") and self.fa3 is None:
             return f"import flash_attn_interface failed: {self.fa3_error}"
@@ -247,11 +252,12 @@ class Backends:
         """Returns (fn(q, k, v) -> out in (b, s, h, d), context manager factory)."""
         import contextlib  # noqa: WPS433
 
-        if impl == "flash3":
+        if impl in ("flash3", "flash3-det"):
             f3 = self.flash3
+            deterministic = impl == "flash3-det"
 
             def fn(q, k, v):
-                return _first(f3.attention(q, k, v, causal=causal))
+                return _first(f3.attention(q, k, v, causal=causal, deterministic=deterministic))
             return fn, contextlib.nullcontext
 
         if impl in ("flash3-fp8", "fa3-fp8"):
@@ -352,7 +358,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
     with ctx():
         # ---- forward (grad enabled, inputs require grad: the forward of a training step)
         fwd_ok = True
-        if impl == "flash3" and backends.flash3_supported("fwd", dtype_name, hdim, causal) is False:
+        if impl.startswith("flash3") and backends.flash3_supported("fwd", dtype_name, hdim, causal) is False:
             row["fwd_error"] = "unsupported (flash3.is_supported('fwd', ...) is False)"
             fwd_ok = False
         if impl.startswith("flash3-fp8") and not backends.flash3.fp8.is_supported(hdim, causal):
@@ -396,7 +402,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
                 row["bwd_error"] = "forward unsupported"
 
         # ---- forward + backward
-        if bwd_possible and impl == "flash3" and \
+        if bwd_possible and impl.startswith("flash3") and \
                 backends.flash3_supported("bwd", dtype_name, hdim, causal) is False:
             row["bwd_error"] = "unsupported (flash3.is_supported('bwd', ...) is False)"
             bwd_possible = False

@@ -69,15 +69,15 @@ flash3::DType to_dtype(at::ScalarType type) {
 at::Tensor tma_ready(at::Tensor const& t) {
   int64_t const align = 16 / t.element_size();
   bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 3; ++d) { ok = ok && (t.stride(d) % align == 0 || t.size(d) == 1); }
+  // A broadcast dimension (stride 0, e.g. the gradient of a sum) is not TMA-readable.
+  for (int d = 0; d < 3; ++d) { ok = ok && ((t.stride(d) > 0 && t.stride(d) % align == 0) || t.size(d) == 1); }
   return ok ? t : t.contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                       double softmax_scale, bool causal) {
+void check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
-  flash3::DType const dtype = to_dtype(q.scalar_type());
+  to_dtype(q.scalar_type());  // raises for an unsupported dtype
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "flash3: q, k, v must have one dtype");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
@@ -91,6 +91,51 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
               ") must be a multiple of nheads_k (", nheads_k, ")");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "flash3: softmax_scale must be positive and finite");
   TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
+}
+
+DeviceInfo const& hopper_info(at::Tensor const& q) {
+  DeviceInfo const& info = device_info(q.get_device());
+  TORCH_CHECK(info.major == 9 && info.minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", info.major,
+              info.minor);
+  return info;
+}
+
+// The sizes, strides and scales shared by both passes; pointers are the caller's.
+void fill_common(flash3::FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                 at::Tensor const& out, double softmax_scale, int num_sms) {
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
+  params.k_batch_stride = k.stride(0);
+  params.k_row_stride = k.stride(1);
+  params.k_head_stride = k.stride(2);
+  params.v_batch_stride = v.stride(0);
+  params.v_row_stride = v.stride(1);
+  params.v_head_stride = v.stride(2);
+  params.o_batch_stride = out.stride(0);
+  params.o_row_stride = out.stride(1);
+  params.o_head_stride = out.stride(2);
+  params.batch = static_cast<int>(q.size(0));
+  params.seqlen_q = static_cast<int>(q.size(1));
+  params.seqlen_k = static_cast<int>(k.size(1));
+  params.nheads = static_cast<int>(q.size(2));
+  params.nheads_k = static_cast<int>(k.size(2));
+  params.headdim = static_cast<int>(q.size(3));
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.num_sms = num_sms;
+}
+
+// deterministic is the backward's (see bwd); the forward is deterministic either way.
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                       double softmax_scale, bool causal, bool /*deterministic*/) {
+  check_qkv(q, k, v, softmax_scale);
+  flash3::DType const dtype = to_dtype(q.scalar_type());
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const seqlen_k = k.size(1);
 
   c10::cuda::CUDAGuard const device_guard(q.device());
   auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options());
@@ -103,40 +148,15 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
     return {out, lse};
   }
 
-  DeviceInfo const& info = device_info(q.get_device());
-  TORCH_CHECK(info.major == 9 && info.minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", info.major,
-              info.minor);
+  DeviceInfo const& info = hopper_info(q);
   at::Tensor const q_tma = tma_ready(q);
   at::Tensor const k_tma = tma_ready(k);
   at::Tensor const v_tma = tma_ready(v);
 
   flash3::FwdParams params;
-  params.q_ptr = q_tma.data_ptr();
-  params.k_ptr = k_tma.data_ptr();
-  params.v_ptr = v_tma.data_ptr();
+  fill_common(params, q_tma, k_tma, v_tma, out, softmax_scale, info.num_sms);
   params.o_ptr = out.data_ptr();
   params.lse_ptr = lse.data_ptr<float>();
-  params.q_batch_stride = q_tma.stride(0);
-  params.q_row_stride = q_tma.stride(1);
-  params.q_head_stride = q_tma.stride(2);
-  params.k_batch_stride = k_tma.stride(0);
-  params.k_row_stride = k_tma.stride(1);
-  params.k_head_stride = k_tma.stride(2);
-  params.v_batch_stride = v_tma.stride(0);
-  params.v_row_stride = v_tma.stride(1);
-  params.v_head_stride = v_tma.stride(2);
-  params.o_batch_stride = out.stride(0);
-  params.o_row_stride = out.stride(1);
-  params.o_head_stride = out.stride(2);
-  params.batch = static_cast<int>(batch);
-  params.seqlen_q = static_cast<int>(seqlen_q);
-  params.seqlen_k = static_cast<int>(seqlen_k);
-  params.nheads = static_cast<int>(nheads);
-  params.nheads_k = static_cast<int>(nheads_k);
-  params.headdim = static_cast<int>(headdim);
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.num_sms = info.num_sms;
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
@@ -146,6 +166,109 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: forward kernel launch failed: ",
               cudaGetErrorString(launch_status));
   return {out, lse};
+}
+
+// Gradients of out = attention(q, k, v) given dout (and optionally dlse, the gradient of
+// the returned lse). deterministic: dQ's per-key-tile partial sums are added in a fixed
+// order (key tiles take turns per query tile) instead of as they finish.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
+                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+                                                   std::optional<at::Tensor> const& dlse, double softmax_scale,
+                                                   bool causal, bool deterministic) {
+  check_qkv(q, k, v, softmax_scale);
+  flash3::DType const dtype = to_dtype(q.scalar_type());
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "flash3: dout and out must have the dtype of q");
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+              "flash3: dout, out and lse must be on the device of q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
+                  lse.size(2) == seqlen_q,
+              "flash3: lse must be float32 (batch, nheads, seqlen_q)");
+  if (dlse.has_value()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->scalar_type() == at::kFloat && dlse->device() == q.device(),
+                "flash3: dlse must be like lse");
+  }
+
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  if (batch == 0 || nheads == 0 || seqlen_q == 0 || seqlen_k == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  DeviceInfo const& info = hopper_info(q);
+  at::Tensor const q_tma = tma_ready(q);
+  at::Tensor const k_tma = tma_ready(k);
+  at::Tensor const v_tma = tma_ready(v);
+  at::Tensor const do_tma = tma_ready(dout);
+  at::Tensor const out_c = out.stride(-1) == 1 ? out : out.contiguous();
+  at::Tensor const lse_c = lse.contiguous();
+  at::Tensor dlse_c;
+  if (dlse.has_value()) { dlse_c = dlse->contiguous(); }
+
+  auto const f32 = q.options().dtype(at::kFloat);
+  int64_t const seqlen_q_padded = (seqlen_q + 127) / 128 * 128;
+  auto lse_log2 = at::empty({batch, nheads, seqlen_q_padded}, f32);
+  auto dpsum = at::empty({batch, nheads, seqlen_q_padded}, f32);
+  int64_t const m_blocks = (seqlen_q + flash3::kBwdBlockM - 1) / flash3::kBwdBlockM;
+  auto dq_accum = at::zeros({batch, nheads, m_blocks, flash3::kBwdBlockM * headdim}, f32);
+  at::Tensor dq_semaphore;
+  if (deterministic) { dq_semaphore = at::zeros({batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
+  // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed
+  // below (a fixed order, so deterministic too).
+  bool const gqa = nheads != nheads_k;
+  at::Tensor dk_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dk;
+  at::Tensor dv_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dv;
+
+  flash3::BwdParams params;
+  fill_common(params, q_tma, k_tma, v_tma, out_c, softmax_scale, info.num_sms);
+  params.o_ptr = out_c.data_ptr();
+  params.lse_ptr = lse_c.data_ptr<float>();
+  params.do_ptr = do_tma.data_ptr();
+  params.do_batch_stride = do_tma.stride(0);
+  params.do_row_stride = do_tma.stride(1);
+  params.do_head_stride = do_tma.stride(2);
+  params.dq_ptr = dq.data_ptr();
+  params.dq_batch_stride = dq.stride(0);
+  params.dq_row_stride = dq.stride(1);
+  params.dq_head_stride = dq.stride(2);
+  params.dk_ptr = dk_heads.data_ptr();
+  params.dk_batch_stride = dk_heads.stride(0);
+  params.dk_row_stride = dk_heads.stride(1);
+  params.dk_head_stride = dk_heads.stride(2);
+  params.dv_ptr = dv_heads.data_ptr();
+  params.dv_batch_stride = dv_heads.stride(0);
+  params.dv_row_stride = dv_heads.stride(1);
+  params.dv_head_stride = dv_heads.stride(2);
+  params.dkv_is_fp32 = gqa;
+  params.dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
+  params.lse_log2_ptr = lse_log2.data_ptr<float>();
+  params.dpsum_ptr = dpsum.data_ptr<float>();
+  params.dq_accum_ptr = dq_accum.data_ptr<float>();
+  params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
+  params.seqlen_q_padded = static_cast<int>(seqlen_q_padded);
+  params.deterministic = deterministic;
+
+  cudaError_t launch_status = cudaSuccess;
+  bool const found = flash3::dispatch_bwd(dtype, static_cast<int>(headdim), causal, params,
+                                          c10::cuda::getCurrentCUDAStream().stream(), &launch_status);
+  TORCH_CHECK(found, "flash3: this build holds no backward kernel for dtype ", flash3::dtype_name(dtype),
+              ", headdim ", headdim, ", causal ", causal, " (see flash3.build_info()['kernels'])");
+  TORCH_CHECK(launch_status == cudaSuccess, "flash3: backward kernel launch failed: ",
+              cudaGetErrorString(launch_status));
+  if (gqa) {
+    int64_t const group = nheads / nheads_k;
+    dk.copy_(dk_heads.view({batch, seqlen_k, nheads_k, group, headdim}).sum(3));
+    dv.copy_(dv_heads.view({batch, seqlen_k, nheads_k, group, headdim}).sum(3));
+  }
+  return {dq, dk, dv};
 }
 
 pybind11::dict build_info() {
@@ -170,10 +293,18 @@ pybind11::dict build_info() {
 }  // namespace
 
 TORCH_LIBRARY(flash3, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
+      "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
-TORCH_LIBRARY_IMPL(flash3, CUDA, m) { m.impl("fwd", &fwd); }
+TORCH_LIBRARY_IMPL(flash3, CUDA, m) {
+  m.impl("fwd", &fwd);
+  m.impl("bwd", &bwd);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash3 compiled kernels; the attention ops live in torch.ops.flash3";

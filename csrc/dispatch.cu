@@ -1,7 +1,7 @@
 // The only place where a runtime (dtype, head dim, causal) becomes template arguments:
-// one flat table. Kernels left out of the build (FLASH3_HDIMS / FLASH3_DTYPES, turned
-// into the two masks below by setup.py) have a null launcher and are reported as not
-// built rather than failing to link.
+// one flat table per pass. Kernels left out of the build (FLASH3_HDIMS / FLASH3_DTYPES /
+// FLASH3_KINDS, turned into the masks below by setup.py) have a null launcher and are
+// reported as not built rather than failing to link.
 #include <cutlass/numeric_types.h>
 
 #include "flash3/dispatch.h"
@@ -12,19 +12,23 @@
 #ifndef FLASH3_DTYPE_MASK
 #define FLASH3_DTYPE_MASK 0x3  // bit 0: bf16, bit 1: fp16
 #endif
+#ifndef FLASH3_KIND_MASK
+#define FLASH3_KIND_MASK 0x3  // bit 0: forward, bit 1: backward
+#endif
 
 namespace flash3 {
 
 struct NoMask;
 struct CausalMask;
 
-// Defined in launch_fwd.h, explicitly instantiated one per file in csrc/instantiations/.
+// Defined in launch_fwd.h / launch_bwd.h, explicitly instantiated one per file in
+// csrc/instantiations/.
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
+template <class Element, int kHeadDim, class Mask>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
 namespace {
-
-using FwdLauncher = cudaError_t (*)(FwdParams const&, cudaStream_t);
 
 constexpr int kHeadDims[] = {64, 96, 128, 192, 256};
 
@@ -41,70 +45,113 @@ constexpr bool dtype_built() {
   else { return (FLASH3_DTYPE_MASK >> 1) & 1; }
 }
 
+template <class Params>
+using Launcher = cudaError_t (*)(Params const&, cudaStream_t);
+
+template <class Params>
+struct Entry {
+  DType dtype;
+  int headdim;
+  bool causal;
+  Launcher<Params> launch;
+};
+
 template <class Element, int kHeadDim, class Mask>
-constexpr FwdLauncher fwd() {
-  if constexpr (dtype_built<Element>() && hdim_built(kHeadDim)) {
+constexpr Launcher<FwdParams> fwd() {
+  if constexpr ((FLASH3_KIND_MASK & 1) && dtype_built<Element>() && hdim_built(kHeadDim)) {
     return &run_fwd<Element, kHeadDim, Mask>;
   } else {
     return nullptr;
   }
 }
 
-struct FwdEntry {
-  DType dtype;
-  int headdim;
-  bool causal;
-  FwdLauncher launch;
-};
+template <class Element, int kHeadDim, class Mask>
+constexpr Launcher<BwdParams> bwd() {
+  if constexpr ((FLASH3_KIND_MASK & 2) && dtype_built<Element>() && hdim_built(kHeadDim)) {
+    return &run_bwd<Element, kHeadDim, Mask>;
+  } else {
+    return nullptr;
+  }
+}
 
 using bf16 = cutlass::bfloat16_t;
 using fp16 = cutlass::half_t;
 
-// clang-format off
-FwdEntry const kFwdTable[] = {
-  //  dtype         hdim  causal  kernel
-  {DType::kBF16,    64,  false, fwd<bf16,  64, NoMask>()},
-  {DType::kBF16,    64,  true,  fwd<bf16,  64, CausalMask>()},
-  {DType::kBF16,    96,  false, fwd<bf16,  96, NoMask>()},
-  {DType::kBF16,    96,  true,  fwd<bf16,  96, CausalMask>()},
-  {DType::kBF16,   128,  false, fwd<bf16, 128, NoMask>()},
-  {DType::kBF16,   128,  true,  fwd<bf16, 128, CausalMask>()},
-  {DType::kBF16,   192,  false, fwd<bf16, 192, NoMask>()},
-  {DType::kBF16,   192,  true,  fwd<bf16, 192, CausalMask>()},
-  {DType::kBF16,   256,  false, fwd<bf16, 256, NoMask>()},
-  {DType::kBF16,   256,  true,  fwd<bf16, 256, CausalMask>()},
-  {DType::kFP16,    64,  false, fwd<fp16,  64, NoMask>()},
-  {DType::kFP16,    64,  true,  fwd<fp16,  64, CausalMask>()},
-  {DType::kFP16,    96,  false, fwd<fp16,  96, NoMask>()},
-  {DType::kFP16,    96,  true,  fwd<fp16,  96, CausalMask>()},
-  {DType::kFP16,   128,  false, fwd<fp16, 128, NoMask>()},
-  {DType::kFP16,   128,  true,  fwd<fp16, 128, CausalMask>()},
-  {DType::kFP16,   192,  false, fwd<fp16, 192, NoMask>()},
-  {DType::kFP16,   192,  true,  fwd<fp16, 192, CausalMask>()},
-  {DType::kFP16,   256,  false, fwd<fp16, 256, NoMask>()},
-  {DType::kFP16,   256,  true,  fwd<fp16, 256, CausalMask>()},
+// Every (dtype, head dim, mask) of one pass, in one list.
+template <class Params, template <class, int, class> class Make>
+struct Table {
+  static constexpr Entry<Params> kEntries[20] = {
+    // clang-format off
+    //  dtype         hdim  causal  kernel
+    {DType::kBF16,    64,  false, Make<bf16,  64, NoMask>::value},
+    {DType::kBF16,    64,  true,  Make<bf16,  64, CausalMask>::value},
+    {DType::kBF16,    96,  false, Make<bf16,  96, NoMask>::value},
+    {DType::kBF16,    96,  true,  Make<bf16,  96, CausalMask>::value},
+    {DType::kBF16,   128,  false, Make<bf16, 128, NoMask>::value},
+    {DType::kBF16,   128,  true,  Make<bf16, 128, CausalMask>::value},
+    {DType::kBF16,   192,  false, Make<bf16, 192, NoMask>::value},
+    {DType::kBF16,   192,  true,  Make<bf16, 192, CausalMask>::value},
+    {DType::kBF16,   256,  false, Make<bf16, 256, NoMask>::value},
+    {DType::kBF16,   256,  true,  Make<bf16, 256, CausalMask>::value},
+    {DType::kFP16,    64,  false, Make<fp16,  64, NoMask>::value},
+    {DType::kFP16,    64,  true,  Make<fp16,  64, CausalMask>::value},
+    {DType::kFP16,    96,  false, Make<fp16,  96, NoMask>::value},
+    {DType::kFP16,    96,  true,  Make<fp16,  96, CausalMask>::value},
+    {DType::kFP16,   128,  false, Make<fp16, 128, NoMask>::value},
+    {DType::kFP16,   128,  true,  Make<fp16, 128, CausalMask>::value},
+    {DType::kFP16,   192,  false, Make<fp16, 192, NoMask>::value},
+    {DType::kFP16,   192,  true,  Make<fp16, 192, CausalMask>::value},
+    {DType::kFP16,   256,  false, Make<fp16, 256, NoMask>::value},
+    {DType::kFP16,   256,  true,  Make<fp16, 256, CausalMask>::value},
+    // clang-format on
+  };
 };
-// clang-format on
 
-}  // namespace
+template <class Element, int kHeadDim, class Mask>
+struct MakeFwd {
+  static constexpr Launcher<FwdParams> value = fwd<Element, kHeadDim, Mask>();
+};
+template <class Element, int kHeadDim, class Mask>
+struct MakeBwd {
+  static constexpr Launcher<BwdParams> value = bwd<Element, kHeadDim, Mask>();
+};
 
-std::vector<KernelInfo> built_kernels() {
-  std::vector<KernelInfo> kernels;
-  for (auto const& entry : kFwdTable) {
-    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.causal}); }
-  }
-  return kernels;
-}
+using FwdTable = Table<FwdParams, MakeFwd>;
+using BwdTable = Table<BwdParams, MakeBwd>;
 
-bool dispatch_fwd(DType dtype, int headdim, bool causal, FwdParams const& params, cudaStream_t stream,
-                  cudaError_t* err) {
-  for (auto const& entry : kFwdTable) {
+template <class Params, size_t N>
+bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, bool causal, Params const& params,
+              cudaStream_t stream, cudaError_t* err) {
+  for (auto const& entry : table) {
     if (entry.dtype == dtype && entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr) {
       *err = entry.launch(params, stream);
       return true;
     }
   }
   return false;
+}
+
+}  // namespace
+
+std::vector<KernelInfo> built_kernels() {
+  std::vector<KernelInfo> kernels;
+  for (auto const& entry : FwdTable::kEntries) {
+    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.causal}); }
+  }
+  for (auto const& entry : BwdTable::kEntries) {
+    if (entry.launch != nullptr) { kernels.push_back({"bwd", entry.dtype, entry.headdim, entry.causal}); }
+  }
+  return kernels;
+}
+
+bool dispatch_fwd(DType dtype, int headdim, bool causal, FwdParams const& params, cudaStream_t stream,
+                  cudaError_t* err) {
+  return dispatch(FwdTable::kEntries, dtype, headdim, causal, params, stream, err);
+}
+
+bool dispatch_bwd(DType dtype, int headdim, bool causal, BwdParams const& params, cudaStream_t stream,
+                  cudaError_t* err) {
+  return dispatch(BwdTable::kEntries, dtype, headdim, causal, params, stream, err);
 }
 
 char const* dtype_name(DType dtype) { return dtype == DType::kBF16 ? "bf16" : "fp16"; }

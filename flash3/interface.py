@@ -112,14 +112,20 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     major, minor = torch.cuda.get_device_capability(q.device)
     if (major, minor) != (9, 0):
         _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)")
+    _check_built("fwd", q, causal)
+
+
+def _check_built(kind, q, causal):
     dtype_name = _DTYPE_NAMES[q.dtype]
-    if not is_supported("fwd", dtype_name, headdim, causal):
+    headdim = q.shape[-1]
+    if not is_supported(kind, dtype_name, headdim, causal):
         built = sorted(
-            f"{d}/hdim{h}{'/causal' if c else ''}" for kind, d, h, c in _built_kernels() if kind == "fwd"
+            f"{d}/hdim{h}{'/causal' if c else ''}" for k, d, h, c in _built_kernels() if k == kind
         )
+        pass_name = {"fwd": "forward", "bwd": "backward"}[kind]
         raise KernelNotBuiltError(
-            f"flash3.attention: the forward kernel for dtype {dtype_name}, headdim {headdim}, "
-            f"causal={causal} was not built (FLASH3_HDIMS / FLASH3_DTYPES at build time); "
+            f"flash3.attention: the {pass_name} kernel for dtype {dtype_name}, headdim {headdim}, "
+            f"causal={causal} was not built (FLASH3_HDIMS / FLASH3_DTYPES / FLASH3_KINDS at build time); "
             f"this build holds: {', '.join(built) or 'none'}"
         )
 
@@ -127,25 +133,41 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 if _C is not None:
 
     @torch.library.register_fake("flash3::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal):
+    def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
         batch, seqlen_q, nheads, headdim = q.shape
         out = q.new_empty((batch, seqlen_q, nheads, headdim))
         lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
         return out, lse
 
+    @torch.library.register_fake("flash3::bwd")
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
+        return (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+        )
+
     def _fwd_setup_context(ctx, inputs, output):
-        pass
+        q, k, v, softmax_scale, causal = inputs[:5]
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.deterministic = inputs[5] if len(inputs) > 5 else False
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
 
     def _fwd_backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "flash3: the backward pass is not implemented yet; flash3.attention is forward-only "
-            "in this version (use torch.nn.functional.scaled_dot_product_attention for training)"
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.flash3.bwd(
+            grad_out, q, k, v, out, lse, grad_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
         )
+        return dq, dk, dv, None, None, None
 
     torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
     """softmax(q k^T * softmax_scale) v, fused, on a Hopper GPU.
 
     Args:
@@ -165,6 +187,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
             their lse -inf.
         softmax_scale: defaults to 1/sqrt(headdim); must be positive.
         return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q), natural log.
+            Gradients flow through it too.
+        deterministic: make the backward pass bitwise reproducible (dq's partial sums
+            are added in a fixed order; a little slower, see benchmarks/). The forward
+            pass is deterministic either way.
 
     Returns:
         out shaped like q (contiguous), or (out, lse) when return_lse.
@@ -174,7 +200,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     not multiples of 16 bytes) are copied to contiguous tensors first.
     """
     _check_inputs(q, k, v, causal, softmax_scale)
+    if not isinstance(deterministic, bool):
+        _fail(TypeError, "deterministic", type(deterministic).__name__, "bool")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _check_built("bwd", q, causal)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.flash3.fwd(q, k, v, float(softmax_scale), causal)
+    out, lse = torch.ops.flash3.fwd(q, k, v, float(softmax_scale), causal, deterministic)
     return (out, lse) if return_lse else out

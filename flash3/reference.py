@@ -127,12 +127,15 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     if causal:
         visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
-
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    # A row with every score at -inf gives 0/0 = NaN in softmax; such a row
-    # attends to nothing, so its probabilities (and output) are 0.
-    probs = torch.nan_to_num(probs, nan=0.0)
+        # A row with every score at -inf attends to nothing: its probabilities (and
+        # output) are 0. Filling before the softmax, rather than cleaning its 0/0 NaNs
+        # after, keeps the row's gradients 0 instead of NaN.
+        empty_rows = ~visible.any(dim=-1, keepdim=True)  # (sq, 1)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1).masked_fill(empty_rows, 0.0)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse.float()
 

@@ -1,11 +1,12 @@
-"""Dumps the SASS of flash3's compiled module and checks that each forward kernel holds
-the instructions the design promises:
+"""Dumps the SASS of flash3's compiled module and checks that each forward and backward
+kernel holds the instructions the design promises:
 
-  HGMMA        warpgroup MMA (WGMMA) for both GEMMs
-  UTMALDG      TMA loads of Q, K, V
+  HGMMA        warpgroup MMA (WGMMA) for every GEMM
+  UTMALDG      TMA loads of Q, K, V (backward: also dO, lse, dPsum)
   USETMAXREG   setmaxnreg register reallocation between producer and consumers
   SYNCS        mbarrier waits and arrivals of the TMA pipelines
-  BAR.SYNC / BAR.ARV   named barriers (pingpong scheduling of the consumer warpgroups)
+  BAR.SYNC / BAR.ARV   named barriers: forward, pingpong scheduling of the consumer
+               warpgroups; backward, the P/dS hand-over between them (BAR.SYNC only)
 
 The FP8 kernels (flash_fwd_fp8_kernel) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
 in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (stmatrix).
@@ -22,17 +23,17 @@ import sys
 from pathlib import Path
 
 REQUIRED = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV"]
+REQUIRED_BWD = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC"]
 FORBIDDEN = ["LDL", "STL"]
 NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
 REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
-KERNEL_NAMES = ("flash_fwd_kernel", "flash_fwd_fp8_kernel")
 
 
 def kernel_config(name: str):
-    """(head dim, causal) from the mangled name of flash_fwd_kernel<...KernelTraits<E, D, causal>...>."""
+    """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>."""
     match = re.search(r"KernelTraitsIN7cutlass\w+?ELi(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
 
@@ -81,26 +82,33 @@ def main():
     if args.dump:
         args.dump.parent.mkdir(parents=True, exist_ok=True)
         args.dump.write_text(sass)
-    kernels = [(name, body) for name, body in split_functions(sass) if any(k in name for k in KERNEL_NAMES)]
-    if not kernels:
-        sys.exit(f"check_sass: no flash_fwd_kernel in {module}")
+    functions = list(split_functions(sass))
     failed = False
-    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN) + "  (fp8: QGMMA LDSM.T STSM)")
-    for name, body in kernels:
-        fp8 = "flash_fwd_fp8_kernel" in name
-        counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN}
-        if fp8:
-            required = REQUIRED_FP8
-            counts["HGMMA"] = counts["QGMMA"]
-        else:
-            required = [r for r in REQUIRED if not (r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
-        ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
-        failed |= not ok
-        short = re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_12KernelTraitsIN7cutlass", "", name)
-        short = re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I", "fp8:", short)[:58]
-        extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if fp8 else ""
-        print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra + ("" if ok else "  FAIL"))
-    print(f"{len(kernels)} forward kernels checked: {'FAIL' if failed else 'ok'}")
+    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN) + "  (fp8: LDSM.T STSM)")
+    kinds = (("fwd", REQUIRED, "flash_fwd_kernel"), ("bwd", REQUIRED_BWD, "flash_bwd_kernel"),
+             ("fp8", REQUIRED_FP8, "flash_fwd_fp8_kernel"))
+    for kind, required_all, marker in kinds:
+        kernels = [(name, body) for name, body in functions if marker in name]
+        for name, body in kernels:
+            counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN}
+            if kind == "fp8":
+                counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
+            required = [r for r in required_all
+                        if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
+            ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
+            failed |= not ok
+            if kind == "fp8":
+                short = "fp8:" + re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I",
+                                        "", name)[:54]
+            else:
+                short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
+                                            "", name)[:54]
+            extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if kind == "fp8" else ""
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra
+                  + ("" if ok else "  FAIL"))
+        print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if failed else 'ok'}")
+    if not any(marker in name for name, _ in functions for _k, _r, marker in kinds):
+        sys.exit(f"check_sass: no flash3 kernel in {module}")
     sys.exit(1 if failed else 0)
 
 

@@ -141,14 +141,6 @@ def test_empty_sequences(sq, sk):
         assert torch.all(out == 0) and torch.all(lse == -math.inf)
 
 
-def test_backward_raises_not_implemented():
-    _skip_unless_built(torch.bfloat16, 128, False)
-    q, k, v = (t.requires_grad_() for t in _make_qkv(1, 1, 64, 64, 2, 2, 128, torch.bfloat16))
-    out = flash3.attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
-
-
 def test_torch_compile_fullgraph(request):
     _skip_unless_built(torch.bfloat16, 128, True)
     q, k, v = _make_qkv(_seed(request), 2, 300, 300, 4, 4, 128, torch.bfloat16)

@@ -16,8 +16,16 @@ enum class NamedBarrier : int {
   WarpSchedulerWG0 = 0,
   WarpSchedulerWG1 = 1,
   WarpSchedulerWG2 = 2,
+  // Backward: both halves of P and dS of a query tile are in shared memory.
+  PdSFull = 3,
+  // Backward, deterministic: this CTA's turn to add its dQ into a query tile.
+  DqTurn = 4,
+  // Backward: the dQ warp's bulk reduction has read the dQ buffer (kDqViaSmem).
+  DqEmpty = 5,
+  // Backward (dQ in the Q/dO stages): both consumer warpgroups' GEMMs have read them.
+  QdOStagesRead = 6,
 };
-static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 3 <= 16,
+static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 7 <= 16,
               "named barrier ids run past the 16 the hardware has");
 
 CUTLASS_DEVICE NamedBarrier warp_scheduler_barrier(int warpgroup) {
@@ -32,16 +40,18 @@ CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
 }
 
 // Register budget per thread, per role, for setmaxnreg. A CTA of W warpgroups with one
-// block per SM shares 64K registers: 65536 / (W * 128) per thread on average. The
-// producer only issues TMA and needs few; the rest is split between the consumers, in
-// multiples of 8 (setmaxnreg's granularity).
-//   W = 3: 170 per thread, 512 per warpgroup-slot; producer 24 (FlashAttention-3 and
-//          CUTLASS use 24-40); consumers (512 - 24) / 2 = 244 -> 240.
+// block per SM launches with 65536 / (W * 128) registers per thread, rounded down to 8
+// (the allocation granularity), and setmaxnreg moves them between warpgroups within that
+// pool. The producer only issues TMA (and, in the backward, bulk-reduces dQ) and needs
+// few; the rest is split between the consumers, in multiples of 8.
+//   W = 3: 168 per thread, 504 per warpgroup-slot; producer 24 (FlashAttention-3 and
+//          CUTLASS use 24-40); consumers (504 - 24) / 2 = 240. (A producer at 32 would
+//          leave the consumers 232, which the backward measured in spills.)
 //   W = 4: 128 per thread, 512 per slot; consumers (512 - 24) / 3 = 162 -> 160.
 template <int kConsumerWarpgroups>
 struct RegisterBudget {
   static constexpr int kWarpgroups = kConsumerWarpgroups + 1;
-  static constexpr int kPerSlot = 65536 / (kWarpgroups * 128) * kWarpgroups;
+  static constexpr int kPerSlot = 65536 / (kWarpgroups * 128) / 8 * 8 * kWarpgroups;
   static constexpr int kProducer = 24;
   static constexpr int kConsumer = ((kPerSlot - kProducer) / kConsumerWarpgroups) / 8 * 8;
   static_assert(kConsumer <= 256, "setmaxnreg takes at most 256 registers");

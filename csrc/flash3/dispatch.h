@@ -13,7 +13,7 @@ namespace flash3 {
 enum class DType { kBF16, kFP16 };
 
 struct KernelInfo {
-  char const* kind;  // "fwd"
+  char const* kind;  // "fwd" or "bwd"
   DType dtype;
   int headdim;
   bool causal;
@@ -25,6 +25,10 @@ std::vector<KernelInfo> built_kernels();
 // Launches the forward kernel for (dtype, headdim, causal). Returns false when this build
 // holds no such kernel; *err carries the launch status otherwise.
 bool dispatch_fwd(DType dtype, int headdim, bool causal, FwdParams const& params, cudaStream_t stream,
+                  cudaError_t* err);
+
+// The backward pass (preprocess, main kernel, postprocess) for (dtype, headdim, causal).
+bool dispatch_bwd(DType dtype, int headdim, bool causal, BwdParams const& params, cudaStream_t stream,
                   cudaError_t* err);
 
 char const* dtype_name(DType dtype);

@@ -39,4 +39,41 @@ struct FwdParams {
   int num_sms = 0;
 };
 
+// The query-tile height of every backward kernel. The binding sizes the dQ workspace
+// (whole tiles) and the deterministic-mode semaphores (one per tile) with it.
+constexpr int kBwdBlockM = 64;
+
+// The backward pass (launch_bwd.h): the forward's tensors plus the gradients and the
+// fp32 workspaces the binding allocates.
+struct BwdParams : FwdParams {
+  // dout like q (the binding makes it TMA-readable); dq like q; dk, dv: (batch, seqlen_k,
+  // nheads_dkv, headdim), where nheads_dkv is nheads_k, or nheads under GQA: then every
+  // query head writes its own dK/dV in float32 (dkv_is_fp32) and the binding sums the
+  // heads of a group, in a fixed order.
+  void const* do_ptr = nullptr;
+  void* dq_ptr = nullptr;
+  void* dk_ptr = nullptr;
+  void* dv_ptr = nullptr;
+  // The gradient of the returned lse, float32 (batch, nheads, seqlen_q), or null.
+  float const* dlse_ptr = nullptr;
+  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  bool dkv_is_fp32 = false;
+
+  // Workspaces, float32. lse_log2 and dpsum: (batch, nheads, seqlen_q_padded), written by
+  // the preprocess kernel; dq_accum: (batch, nheads, m_blocks, kBwdBlockM * headdim),
+  // zeroed by the binding, summed into by every key tile, each tile stored in the order
+  // of the dQ accumulator's registers (mainloop_bwd.h) and put back in rows by the
+  // postprocess kernel; dq_semaphore: int32 (batch, nheads, m_blocks), zeroed, only with
+  // deterministic. m_blocks = ceil(seqlen_q / kBwdBlockM).
+  float* lse_log2_ptr = nullptr;
+  float* dpsum_ptr = nullptr;
+  float* dq_accum_ptr = nullptr;
+  int* dq_semaphore_ptr = nullptr;
+  int seqlen_q_padded = 0;
+  bool deterministic = false;
+};
+
 }  // namespace flash3

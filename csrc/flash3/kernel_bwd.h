@@ -1,0 +1,130 @@
+// FlashBwdKernel: the warp-specialised backward kernel. A CTA owns one key tile of one
+// head: the producer warpgroup's first warp loads its K and V once, then streams the
+// query tiles that see it (Q with its lse, dO with its dPsum) through two TMA pipelines;
+// the two consumer warpgroups compute S, dP, P, dS and accumulate dK and dV in registers;
+// each query tile's dQ goes to a float32 workspace, added by the producer warpgroup's
+// second warp (a bulk reduction from shared memory) or by the consumers (atomics).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/device_kernel.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "epilogue_bwd.h"
+#include "mainloop_bwd.h"
+#include "traits_bwd.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits_, class Mask_>
+struct FlashBwdKernel {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  using Mainloop = MainloopBwd<Traits, Mask>;
+  using Epilogue = EpilogueBwd<Traits>;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelinedO = typename Traits::PipelinedO;
+  using PipelineState = typename Traits::PipelineState;
+  using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
+
+  static constexpr int kThreads = Traits::kThreads;
+
+  struct SharedStorage {
+    typename Mainloop::SharedStorage mainloop;
+    // K and V of the key tile: loaded once, full when their TMA bytes have landed.
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelinedO::SharedStorage pipeline_do;
+  };
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+  static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+  };
+
+  static Params to_params(BwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p)}; }
+
+  static dim3 grid(BwdParams const& p) {
+    // Key tile fastest: the key tiles of one head run side by side and share its Q and dO
+    // through L2; under the causal mask tile 0 sees every query tile, so the longest go
+    // first. Deterministic dQ also relies on tile n - 1 starting before tile n.
+    return dim3((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.nheads, p.batch);
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group_idx = cutlass::canonical_warp_group_idx();
+    auto const role = WarpGroupRole(warp_group_idx);
+    int const lane_predicate = cute::elect_one_sync();
+    int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+
+    if (warp_idx == 0 && lane_predicate) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      storage.barrier_kv.init(/*arrive_count=*/1);
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        storage.mainloop.barrier_dq_full[stage].init(/*arrive_count=*/Traits::kConsumerThreads);
+        storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/1);
+      }
+    }
+
+    typename PipelineQ::Params pipeline_params;
+    pipeline_params.transaction_bytes = Traits::kBytesQ;
+    pipeline_params.num_consumers = Traits::kConsumerThreads;
+    if (role == WarpGroupRole::Producer) {
+      pipeline_params.role = PipelineQ::ThreadCategory::Producer;
+      pipeline_params.is_leader = warp_idx == 0 && lane_predicate;
+    } else {
+      pipeline_params.role = PipelineQ::ThreadCategory::Consumer;
+      pipeline_params.is_leader = 0;
+    }
+    PipelineQ pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
+    static_assert(Traits::kBytesdO == Traits::kBytesQ);
+    PipelinedO pipeline_do(storage.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+
+    // Barrier and pipeline initialisation must be visible to every thread before use.
+    __syncthreads();
+
+    if (role == WarpGroupRole::Producer) {
+      cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
+      if (warp_idx == 0 && lane_predicate) {
+        PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
+        PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
+        Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
+                       write_q, write_do, n_block, head, batch);
+      } else if (warp_idx == 1) {
+        Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
+      int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      PipelineState read_q, read_do;
+      Tensor tdKrdK = partition_fragment_C(typename Traits::TiledMmadKV{},
+                                           select<0, 1>(typename Traits::TileShapedKV{}));
+      Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
+                                           select<0, 1>(typename Traits::TileShapedKV{}));
+      Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    flash_bwd_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) char smem[];
+  Kernel{}(params, smem);
+#endif
+}
+
+}  // namespace flash3

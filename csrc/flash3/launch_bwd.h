@@ -1,0 +1,38 @@
+// Host side of the backward pass: preprocess (dPsum, lse in log2), the main kernel,
+// postprocess (dQ from its float32 workspace). Each instantiation .cu includes this once
+// for one (element, head dim, mask).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernel_bwd.h"
+#include "params.h"
+#include "prepost_bwd.h"
+#include "traits_bwd.h"
+
+namespace flash3 {
+
+template <class Element, int kHeadDim, class Mask>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using Kernel = FlashBwdKernel<BwdKernelTraits<Element, kHeadDim, Mask::kIsCausal>, Mask>;
+  static_assert(Kernel::Traits::kBlockM == kBwdBlockM);
+  static_assert(128 % Kernel::Traits::kBlockM == 0, "seqlen_q_padded is a multiple of 128");
+  cudaError_t err = run_bwd_preprocess<Element>(params, stream);
+  if (err != cudaSuccess) { return err; }
+
+  auto kernel_params = Kernel::to_params(params);
+  auto* kernel = &flash_bwd_kernel<Kernel>;
+  constexpr int kSmem = Kernel::kSharedStorageSize;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) { return err; }
+  kernel<<<Kernel::grid(params), Kernel::kThreads, kSmem, stream>>>(kernel_params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) { return err; }
+
+  return run_bwd_postprocess<typename Kernel::Traits>(params, stream);
+}
+
+}  // namespace flash3
+
+#define FLASH3_INSTANTIATE_BWD(ELEMENT, HDIM, MASK) \
+  template cudaError_t flash3::run_bwd<ELEMENT, HDIM, flash3::MASK>(flash3::BwdParams const&, cudaStream_t);

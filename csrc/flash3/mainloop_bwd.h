@@ -1,0 +1,443 @@
+// The backward mainloop: the producer's TMA loads (K and V of the CTA's key tile once;
+// Q with its lse and dO with its dPsum per query tile, pipelined), and the consumers'
+// five WGMMAs per query tile with dQ summed into a float32 workspace.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "mask.h"
+#include "params.h"
+#include "traits_bwd.h"
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits, class Mask>
+struct MainloopBwd {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kConsumerThreads = Traits::kConsumerThreads;
+  using TileShapeSdP = typename Traits::TileShapeSdP;
+  using TileShapedQ = typename Traits::TileShapedQ;
+  using SmemLayoutQ = typename Traits::SmemLayoutQ;
+  using SmemLayoutdO = typename Traits::SmemLayoutdO;
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  using SmemLayoutV = typename Traits::SmemLayoutV;
+  using SmemLayoutRow = typename Traits::SmemLayoutRow;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelinedO = typename Traits::PipelinedO;
+  using PipelineState = typename Traits::PipelineState;
+  using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+
+  // (seqlen, headdim, head, batch) as in the forward; the row statistics are
+  // (seqlen_q_padded, head, batch), contiguous.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using ShapeRow = Shape<int32_t, int32_t, int32_t>;
+  using StrideRow = Stride<_1, int64_t, int64_t>;
+
+  static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}), _1{});
+  }
+  static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}), _1{});
+  }
+  static auto make_tma_row(float const* ptr, ShapeRow const& shape, StrideRow const& stride) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{}, _1{});
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideQKV{}));
+  using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideQKV{}));
+  using TmaRow = decltype(make_tma_row(nullptr, ShapeRow{}, StrideRow{}));
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> smem_do;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_p;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_ds;
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_lse;
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_dpsum;
+    cute::array_aligned<float, Traits::kDqViaSmem ? Traits::kDqElements : 4, 128> smem_dq;
+    // The dQ of the tile in (Q/dO) stage s is in shared memory (every consumer thread
+    // arrives); an mbarrier per stage rather than a named barrier, because the consumers
+    // may hand over the next tile before the dQ warp has taken this one.
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages];
+    // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction.
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
+  };
+
+  struct Params {
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaK tma_k;
+    TmaK tma_v;
+    TmaRow tma_lse;
+    TmaRow tma_dpsum;
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    ShapeRow shape_row;
+    int seqlen_q;
+    int seqlen_k;
+    int nheads;
+    int head_group;
+    float softmax_scale_log2;
+    float* dq_accum;
+    int* dq_semaphore;  // null unless deterministic
+  };
+
+  static Params to_params(BwdParams const& p) {
+    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+    ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.batch);
+    StrideRow stride_row = make_stride(_1{}, int64_t(p.seqlen_q_padded), int64_t(p.seqlen_q_padded) * p.nheads);
+    return {make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
+                       make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride)),
+            make_tma_q(static_cast<Element const*>(p.do_ptr), shape_q,
+                       make_stride(p.do_row_stride, _1{}, p.do_head_stride, p.do_batch_stride)),
+            make_tma_k(static_cast<Element const*>(p.k_ptr), shape_k,
+                       make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride)),
+            make_tma_k(static_cast<Element const*>(p.v_ptr), shape_k,
+                       make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride)),
+            make_tma_row(p.lse_log2_ptr, shape_row, stride_row),
+            make_tma_row(p.dpsum_ptr, shape_row, stride_row),
+            shape_q, shape_k, shape_row, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_k,
+            p.softmax_scale_log2, p.dq_accum_ptr, p.deterministic ? p.dq_semaphore_ptr : nullptr};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_lse.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_dpsum.get_tma_descriptor());
+  }
+
+  // Query tiles [m_begin, m_end) see some key of key tile n_block. Under the causal mask
+  // (bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q) the first
+  // row that sees the tile's first key is n_block * kBlockN - (seqlen_k - seqlen_q).
+  CUTLASS_DEVICE static int m_block_begin(Params const& params, int n_block) {
+    if constexpr (Mask::kIsCausal) {
+      int const first_row = n_block * kBlockN - (params.seqlen_k - params.seqlen_q);
+      return max(first_row, 0) / kBlockM;
+    } else {
+      return 0;
+    }
+  }
+  CUTLASS_DEVICE static int m_block_end(Params const& params) { return (params.seqlen_q + kBlockM - 1) / kBlockM; }
+
+  // Producer: one elected thread. K and V of the key tile once, then (Q, lse) and
+  // (dO, dPsum) per query tile, each pair on its own pipeline so that S = Q K^T can start
+  // before dO has landed.
+  CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_kv,
+                                  PipelineQ& pipeline_q, PipelinedO& pipeline_do,
+                                  PipelineState& write_q, PipelineState& write_do,
+                                  int n_block, int head, int batch) {
+    int const m_begin = m_block_begin(params, n_block);
+    int const m_end = m_block_end(params);
+    if (m_begin >= m_end) { return; }
+    int const head_kv = head / params.head_group;
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor sLSE = make_tensor(make_smem_ptr(storage.smem_lse.data()), SmemLayoutRow{});
+    Tensor sdPsum = make_tensor(make_smem_ptr(storage.smem_dpsum.data()), SmemLayoutRow{});
+
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, batch);     // (seqlen_q, d)
+    Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, batch);   // (seqlen_q, d)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor mLSE = params.tma_lse.get_tma_tensor(params.shape_row)(_, head, batch);      // (seqlen_q_padded)
+    Tensor mdPsum = params.tma_dpsum.get_tma_tensor(params.shape_row)(_, head, batch);  // (seqlen_q_padded)
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));      // (M, d, m)
+    Tensor gdO = local_tile(mdO, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));    // (M, d, m)
+    Tensor gK = local_tile(mK, select<1, 2>(TileShapeSdP{}), make_coord(n_block, _0{}));  // (N, d)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapeSdP{}), make_coord(n_block, _0{}));  // (N, d)
+    Tensor gLSE = local_tile(mLSE, Shape<Int<kBlockM>>{}, make_coord(_));      // (M, m)
+    Tensor gdPsum = local_tile(mdPsum, Shape<Int<kBlockM>>{}, make_coord(_));  // (M, m)
+
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto [tLgL, tLsL] = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
+    auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sdPsum), group_modes<0, 1>(gdPsum));
+
+    barrier_kv.arrive_and_expect_tx(Traits::kBytesKV);
+    auto& kv_mbar = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_kv);
+    copy(params.tma_k.with(kv_mbar), tKgK, tKsK);
+    copy(params.tma_v.with(kv_mbar), tVgV, tVsV);
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      if constexpr (!Traits::kDqViaSmem) {
+        // The stage was last used by tile m - kStages, whose dQ the dQ warp reads from it.
+        int const uses = m_block - m_begin - Traits::kStages;
+        if (uses >= 0) { storage.barrier_dq_read[write_q.index()].wait((uses / Traits::kStages) & 1); }
+      }
+      pipeline_q.producer_acquire(write_q);  // LOCK Q stage
+      auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
+      copy(params.tma_q.with(*q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+      copy(params.tma_lse.with(*q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
+      ++write_q;
+      pipeline_do.producer_acquire(write_do);  // LOCK dO stage
+      auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
+      copy(params.tma_do.with(*do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+      copy(params.tma_dpsum.with(*do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+      ++write_do;
+    }
+  }
+
+  // Consumers: accumulate this thread's share of dK (unscaled) and dV for the key tile.
+  template <class TensordKV>
+  CUTLASS_DEVICE static void mma(Params const& params, SharedStorage& storage,
+                                 cutlass::arch::ClusterTransactionBarrier& barrier_kv,
+                                 PipelineQ& pipeline_q, PipelinedO& pipeline_do,
+                                 PipelineState& read_q, PipelineState& read_do,
+                                 TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                 int thread_idx, int n_block, int head, int batch) {
+    clear(tdKrdK);
+    clear(tdVrdV);
+    int const m_begin = m_block_begin(params, n_block);
+    int const m_end = m_block_end(params);
+    if (m_begin >= m_end) { return; }
+
+    typename Traits::TiledMmaSdP tiled_mma_sdp;
+    typename Traits::TiledMmadKV tiled_mma_dkv;
+    typename Traits::TiledMmadQ tiled_mma_dq;
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
+    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sP = make_tensor(make_smem_ptr(storage.smem_p.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(storage.smem_p.data()), typename Traits::SmemLayoutPdSt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Traits::SmemLayoutPdSt{});
+    Tensor sLSE = make_tensor(make_smem_ptr(storage.smem_lse.data()), SmemLayoutRow{});
+    Tensor sdPsum = make_tensor(make_smem_ptr(storage.smem_dpsum.data()), SmemLayoutRow{});
+
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);       // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);       // (MMA, MMA_N, MMA_K)
+    Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);    // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);      // (MMA, MMA_N, MMA_K)
+    Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);    // (MMA, MMA_M, MMA_K, PDS)
+    Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, PDS)
+    Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, PDS)
+    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
+    // Where this thread's S accumulator elements go in sP / sdS.
+    Tensor tPsP = thr_mma_sdp.partition_C(sP);    // (MMA, MMA_M, MMA_N, PDS)
+    Tensor tPsdS = thr_mma_sdp.partition_C(sdS);  // (MMA, MMA_M, MMA_N, PDS)
+
+    // Tile coordinates (row, col) of each S element this thread holds.
+    Tensor cS = make_identity_tensor(select<0, 1>(TileShapeSdP{}));
+    Tensor tScS = thr_mma_sdp.partition_C(cS);
+    Tensor tScS_rowcol = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+
+    Policy const policy{params.seqlen_q, params.seqlen_k};
+
+    barrier_kv.wait(0);
+
+    // S = Q K^T and dP = dO V^T of one query tile, issued as two WGMMA batches.
+    auto issue_sdp = [&](auto& tSrS, auto& tdPrdP, PipelineState const& q_stage, PipelineState const& do_stage) {
+      pipeline_q.consumer_wait(q_stage);
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tSrQ(_, _, _, q_stage.index()), tSrK, tSrS);
+      pipeline_do.consumer_wait(do_stage);
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, do_stage.index()), tdPrV, tdPrdP);
+    };
+
+    int pds = 0;  // the P/dS buffer of this query tile
+
+    // One query tile, from S and dP in flight to dQ handed to the dQ warp.
+    auto process_tile = [&](auto& tSrS, auto& tdPrdP, int m_block) {
+      Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      Tensor tdPrdP_rowcol = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
+      // P = exp2(S * scale * log2(e) - lse * log2(e)) while dO V^T runs.
+      warpgroup_wait<1>();
+      if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(tSrS_rowcol); ++mi) {
+        float const lse = sLSE(get<0>(tScS_rowcol(mi, 0)), read_q.index());
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+          tSrS_rowcol(mi, ni) = exp2f(tSrS_rowcol(mi, ni) * params.softmax_scale_log2 - lse);
+        }
+      }
+      // dS = P * (dP - dPsum).
+      warpgroup_wait<0>();
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(tdPrdP_rowcol); ++mi) {
+        float const dpsum = sdPsum(get<0>(tScS_rowcol(mi, 0)), read_do.index());
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tdPrdP_rowcol); ++ni) {
+          tdPrdP_rowcol(mi, ni) = tSrS_rowcol(mi, ni) * (tdPrdP_rowcol(mi, ni) - dpsum);
+        }
+      }
+      // Buffer pds was last read by tile m - 2's GEMMs, which both warpgroups finished
+      // before arriving at tile m - 1's PdSFull barrier. Converting and storing one
+      // tensor at a time keeps fewer registers live (the dK/dV accumulators hold most).
+      {
+        Tensor rP = make_tensor<Element>(tSrS.layout());
+        convert_into(tSrS, rP);
+        copy(rP, tPsP(_, _, _, pds));
+      }
+      {
+        Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+        convert_into(tdPrdP, rdS);
+        copy(rdS, tPsdS(_, _, _, pds));
+      }
+      // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
+      // warpgroups before either reads the buffer.
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(kConsumerThreads, NamedBarrier::PdSFull);
+
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt(_, _, _, pds), tdVrdOt(_, _, _, read_do.index()), tdVrdV);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
+      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
+      warpgroup_wait<0>();
+
+      float4* sdQ;
+      if constexpr (Traits::kDqViaSmem) {
+        // The dQ warp's bulk reduction of the previous tile must have read the buffer.
+        if (m_block > m_begin) { named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // LOCK sdQ
+        sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
+      } else {
+        // This tile's Q stage (warpgroup 0's half) and dO stage (warpgroup 1's half), once
+        // both warpgroups' GEMMs have read them; the producer refills them only after the
+        // dQ warp's read.
+        named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
+        int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+        Element* stage = warpgroup == 0 ? storage.smem_q.data() + read_q.index() * kStageElements
+                                        : storage.smem_do.data() + read_do.index() * kStageElements;
+        sdQ = reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ); i += 4) {
+        sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+      }
+      // The bulk reduction reads shared memory through the async proxy.
+      cutlass::arch::fence_view_async_shared();
+      storage.barrier_dq_full[read_q.index()].arrive();  // UNLOCK sdQ: to the dQ warp
+      pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
+      ++read_q;
+      pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
+      ++read_do;
+      pds ^= 1;
+    };
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      // Fresh accumulators per tile: nothing stays live across the loop's back edge.
+      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+      issue_sdp(tSrS, tdPrdP, read_q, read_do);
+      process_tile(tSrS, tdPrdP, m_block);
+    }
+  }
+
+  static constexpr int kDqBarrierThreads = kConsumerThreads + cutlass::NumThreadsPerWarp;
+  // One Q (or dO) stage; stage s starts s of these into smem_q (smem_do).
+  static constexpr int kStageElements = kBlockM * kHeadDim;
+  static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
+
+  // The dQ warp (one warp of the producer warpgroup): per query tile, waits for the
+  // consumers' dQ in shared memory and adds it to the workspace tile with two bulk
+  // reductions issued by one lane. Deterministic mode takes turns per query tile in
+  // key-tile order: key tile n waits until tile n - 1's reductions have completed (the
+  // tiles that see a query tile are 0..n_max, and CTAs start in blockIdx order, so the one
+  // waited for is running or done), so the float32 sums happen in a fixed order.
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
+    // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
+    int const m_begin = m_block_begin(params, n_block);
+    int const m_end = m_block_end(params);
+    int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    int64_t const head_tile0 = (int64_t(batch) * params.nheads + head) * m_end;
+    constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      int const stage = (m_block - m_begin) % Traits::kStages;
+      // Where the consumers put the two halves (see mma()).
+      float const* half0 = Traits::kDqViaSmem
+          ? storage.smem_dq.data()
+          : reinterpret_cast<float const*>(storage.smem_q.data() + stage * kStageElements);
+      float const* half1 = Traits::kDqViaSmem
+          ? storage.smem_dq.data() + Traits::kDqElements / 2
+          : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements);
+      storage.barrier_dq_full[stage].wait(((m_block - m_begin) / Traits::kStages) & 1);  // LOCK sdQ
+      if (lane == 0) {
+        float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
+        int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+        if (semaphore != nullptr) {
+          while (cuda_ld_acquire(semaphore) != n_block) {}
+          // Order the acquire before the (async-proxy) reductions below.
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+        }
+#ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what adding dQ costs
+        bulk_reduce_add(dq_tile, half0, kHalfBytes);
+        bulk_reduce_add(dq_tile + Traits::kDqElements / 2, half1, kHalfBytes);
+#endif
+        cute::tma_store_arrive();
+        if (semaphore != nullptr) {
+          // Deterministic: the next key tile may add only once this tile's sums are done.
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          __threadfence();
+          cuda_st_release(semaphore, n_block + 1);
+        } else {
+          cute::tma_store_wait<0>();  // the reductions have read shared memory
+        }
+      }
+      __syncwarp();
+      if constexpr (Traits::kDqViaSmem) {
+        // The consumers wait for this only before writing the next tile's dQ.
+        if (m_block + 1 < m_end) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // UNLOCK sdQ
+      } else {
+        // The producer waits for this before refilling the stage.
+        if (lane == 0) { storage.barrier_dq_read[stage].arrive(); }  // UNLOCK Q and dO stage
+      }
+    }
+    if (lane == 0) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+  }
+
+  // global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group).
+  CUTLASS_DEVICE static void bulk_reduce_add(float* dst, float const* src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+                 : "memory");
+  }
+
+  CUTLASS_DEVICE static int cuda_ld_acquire(int const* ptr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+  }
+  CUTLASS_DEVICE static void cuda_st_release(int* ptr, int value) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+  }
+};
+
+}  // namespace flash3
