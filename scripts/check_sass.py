@@ -26,6 +26,10 @@ NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
+# Kernels allowed some local-memory instructions: (head dim, causal) -> the most LDL + STL
+# accepted, so that the check still fails on any new spill or a larger one. Empty: no
+# kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
+KNOWN_BWD_SPILLS = {}
 
 
 def kernel_config(name: str):
@@ -87,11 +91,16 @@ def main():
             counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
             required = [r for r in required_all
                         if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
-            ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
+            local = sum(counts[f] for f in FORBIDDEN)
+            allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
+            ok = all(counts[r] > 0 for r in required) and local <= allowed
             failed |= not ok
             short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
                                         "", name)[:54]
-            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + ("" if ok else "  FAIL"))
+            note = "" if ok else "  FAIL"
+            if ok and local:
+                note = f"  known spill (<= {allowed})"
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if failed else 'ok'}")
     if not any(f"flash_{kind}_kernel" in name for name, _ in functions for kind in ("fwd", "bwd")):
         sys.exit(f"check_sass: no flash3 kernel in {module}")
