@@ -30,6 +30,10 @@ NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
 REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
+# Kernels allowed some local-memory instructions: (head dim, causal) -> the most LDL + STL
+# accepted, so that the check still fails on any new spill or a larger one. Empty: no
+# kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
+KNOWN_BWD_SPILLS = {}
 
 
 def kernel_config(name: str):
@@ -95,7 +99,9 @@ def main():
                 counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
             required = [r for r in required_all
                         if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
-            ok = all(counts[r] > 0 for r in required) and all(counts[f] == 0 for f in FORBIDDEN)
+            local = sum(counts[f] for f in FORBIDDEN)
+            allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
+            ok = all(counts[r] > 0 for r in required) and local <= allowed
             failed |= not ok
             if kind == "fp8":
                 short = "fp8:" + re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I",
@@ -104,8 +110,10 @@ def main():
                 short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
                                             "", name)[:54]
             extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if kind == "fp8" else ""
-            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra
-                  + ("" if ok else "  FAIL"))
+            note = "" if ok else "  FAIL"
+            if ok and local:
+                note = f"  known spill (<= {allowed})"
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if failed else 'ok'}")
     if not any(marker in name for name, _ in functions for _k, _r, marker in kinds):
         sys.exit(f"check_sass: no flash3 kernel in {module}")

@@ -16,10 +16,9 @@ enum class NamedBarrier : int {
   WarpSchedulerWG0 = 0,
   WarpSchedulerWG1 = 1,
   WarpSchedulerWG2 = 2,
-  // Backward: both halves of P and dS of a query tile are in shared memory.
-  PdSFull = 3,
-  // Backward, deterministic: this CTA's turn to add its dQ into a query tile.
-  DqTurn = 4,
+  // Backward: both halves of P (of dS) of a query tile are in shared memory.
+  PFull = 3,
+  dSFull = 4,
   // Backward: the dQ warp's bulk reduction has read the dQ buffer (kDqViaSmem).
   DqEmpty = 5,
   // Backward (dQ in the Q/dO stages): both consumer warpgroups' GEMMs have read them.

@@ -249,8 +249,12 @@ struct MainloopBwd {
     Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, PDS)
     Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
     // Where this thread's S accumulator elements go in sP / sdS.
-    Tensor tPsP = thr_mma_sdp.partition_C(sP);    // (MMA, MMA_M, MMA_N, PDS)
-    Tensor tPsdS = thr_mma_sdp.partition_C(sdS);  // (MMA, MMA_M, MMA_N, PDS)
+    // P and dS go to shared memory with STSM (stmatrix): four 8x8 matrices per
+    // instruction, one address per thread, instead of a 4-byte store per column pair.
+    auto smem_tiled_copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
+    auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
+    Tensor tPsP = smem_thr_copy_pds.partition_D(sP);    // (CPY, CPY_M, CPY_N, PDS)
+    Tensor tPsdS = smem_thr_copy_pds.partition_D(sdS);  // (CPY, CPY_M, CPY_N, PDS)
 
     // Tile coordinates (row, col) of each S element this thread holds.
     Tensor cS = make_identity_tensor(select<0, 1>(TileShapeSdP{}));
@@ -286,8 +290,22 @@ struct MainloopBwd {
           tSrS_rowcol(mi, ni) = exp2f(tSrS_rowcol(mi, ni) * params.softmax_scale_log2 - lse);
         }
       }
+      // P to shared memory first, so that dV += P^T dO runs while dS is computed.
+      // Buffer pds was last read by tile m - 2's GEMMs, which both warpgroups finished
+      // before arriving at tile m - 1's barriers.
+      {
+        Tensor rP = make_tensor<Element>(tSrS.layout());
+        convert_into(tSrS, rP);
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rP), tPsP(_, _, _, pds));
+      }
+      // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
+      // warpgroups before either reads the buffer.
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(kConsumerThreads, NamedBarrier::PFull);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt(_, _, _, pds), tdVrdOt(_, _, _, read_do.index()), tdVrdV);
+
       // dS = P * (dP - dPsum).
-      warpgroup_wait<0>();
+      warpgroup_wait<1>();  // dP done; dV may still run
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(tdPrdP_rowcol); ++mi) {
         float const dpsum = sdPsum(get<0>(tScS_rowcol(mi, 0)), read_do.index());
@@ -296,25 +314,14 @@ struct MainloopBwd {
           tdPrdP_rowcol(mi, ni) = tSrS_rowcol(mi, ni) * (tdPrdP_rowcol(mi, ni) - dpsum);
         }
       }
-      // Buffer pds was last read by tile m - 2's GEMMs, which both warpgroups finished
-      // before arriving at tile m - 1's PdSFull barrier. Converting and storing one
-      // tensor at a time keeps fewer registers live (the dK/dV accumulators hold most).
-      {
-        Tensor rP = make_tensor<Element>(tSrS.layout());
-        convert_into(tSrS, rP);
-        copy(rP, tPsP(_, _, _, pds));
-      }
       {
         Tensor rdS = make_tensor<Element>(tdPrdP.layout());
         convert_into(tdPrdP, rdS);
-        copy(rdS, tPsdS(_, _, _, pds));
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rdS), tPsdS(_, _, _, pds));
       }
-      // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
-      // warpgroups before either reads the buffer.
       cutlass::arch::fence_view_async_shared();
-      named_barrier_sync(kConsumerThreads, NamedBarrier::PdSFull);
+      named_barrier_sync(kConsumerThreads, NamedBarrier::dSFull);
 
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt(_, _, _, pds), tdVrdOt(_, _, _, read_do.index()), tdVrdV);
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
