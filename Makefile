@@ -14,7 +14,7 @@ MAX_JOBS ?= $(shell nproc)
 BENCH_ARGS ?=
 export MAX_JOBS
 
-.PHONY: deps install test test-gpu bench sass clean
+.PHONY: deps install test test-gpu bench sass clean bench-fp8 accuracy-fp8
 
 # Rebuild only when a source changes (pip's editable build does not reuse objects).
 # After changing FLASH3_HDIMS / FLASH3_DTYPES, run `make clean` first.
@@ -49,6 +49,13 @@ test-gpu: install
 
 bench: install
 	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
+
+# FP8 forward: speed grid (with the fused quantiser's time) and the Table 3 accuracy run.
+bench-fp8: install
+	$(PYTHON) benchmarks/bench_attention.py --fp8 $(BENCH_ARGS)
+
+accuracy-fp8: install
+	$(PYTHON) benchmarks/fp8_accuracy.py
 
 sass: install
 	$(PYTHON) scripts/check_sass.py --dump sass/flash3.sass

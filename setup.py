@@ -2,7 +2,8 @@
 
 Environment variables:
   FLASH3_HDIMS     comma list of head dims to compile (default: 64,96,128,192,256)
-  FLASH3_DTYPES    comma list of dtypes to compile (default: bf16,fp16)
+  FLASH3_DTYPES    comma list of dtypes to compile (default: bf16,fp16,e4m3); e4m3 is the
+                   FP8 forward (head dims 64, 128, 256) and the fused quantiser
   FLASH3_KINDS     comma list of passes to compile: fwd, bwd (default: both)
   CUTLASS_DIR      a CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel
   MAX_JOBS         parallel compile jobs (ninja); NVCC_THREADS threads per nvcc (default 2)
@@ -17,7 +18,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 ALL_HDIMS = [64, 96, 128, 192, 256]
-ALL_DTYPES = ["bf16", "fp16"]
+ALL_DTYPES = ["bf16", "fp16", "e4m3"]
 ALL_KINDS = ["fwd", "bwd"]
 
 
@@ -84,6 +85,8 @@ def extension():
         if wanted(p)
     )
     sources = ["csrc/api.cpp", "csrc/dispatch.cu", *kernels]
+    if "e4m3" in dtypes and "fwd" in kinds:
+        sources += ["csrc/api_fp8.cpp", "csrc/dispatch_fp8.cu", "csrc/quantize_fp8.cu"]
 
     defines = [
         f"-DFLASH3_HDIM_MASK={hdim_mask}",

@@ -7,6 +7,12 @@ causal in {False, True}, seqlen in {512 ... 16384}; bf16 by default.
 TFLOPs/s: forward FLOPs = 4*b*h*s*s*d (halved when causal); backward FLOPs = 2.5 x forward,
 over (time(fwd+bwd) - time(fwd)).  Time = median of `reps` CUDA-event timings after warm-up.
 
+--fp8: FP8 forward instead (implies --fwd-only): flash3's FP8 kernel on pre-quantised
+inputs ("flash3 fp8"), the same end to end on bf16 inputs including the fused quantiser
+("flash3 fp8+q"), FA3's FP8 forward when importable, and flash3 bf16 / cuDNN bf16 for
+reference. The fused quantiser's own time and bandwidth (bf16 q, k, v read, e4m3 written)
+are reported per config (quant_ms, quant_GBps in the JSON).
+
 Outputs under --out-dir: <tag>.json, <tag>.md, <tag>_fwd.png, <tag>_bwd.png.
 `--replot results/latest.json` rebuilds the .md and .png files from a JSON (no GPU needed).
 See benchmarks/README.md.
@@ -34,6 +40,7 @@ HIDDEN = 2048
 DEFAULT_HDIMS = [64, 128, 256]
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 ALL_BACKENDS = ["flash3", "sdpa-cudnn", "sdpa-flash", "fa3"]
+FP8_BACKENDS = ["flash3-fp8", "flash3-fp8-e2e", "fa3-fp8", "flash3", "sdpa-cudnn"]
 # Opt-in: flash3 with deterministic=True (measures what bitwise-repeatable dq costs).
 EXTRA_BACKENDS = ["flash3-det"]
 BACKEND_ALIASES = {
@@ -42,6 +49,7 @@ BACKEND_ALIASES = {
     "sdpa-flash": "sdpa-flash", "fa2": "sdpa-flash", "flash": "sdpa-flash",
     "sdpa-cudnn": "sdpa-cudnn", "cudnn": "sdpa-cudnn",
     "fa3": "fa3", "flash_attn_interface": "fa3",
+    "flash3-fp8": "flash3-fp8", "flash3-fp8-e2e": "flash3-fp8-e2e", "fa3-fp8": "fa3-fp8",
 }
 # Display labels (also cover implementation names found in the anchor JSON).
 LABELS = {
@@ -53,10 +61,12 @@ LABELS = {
     "fa4": "FA4",
     "sdpa-efficient": "mem-eff",
     "fa3-fp8": "FA3 fp8",
+    "flash3-fp8": "flash3 fp8",
+    "flash3-fp8-e2e": "flash3 fp8+q",
     "cudnn-fp8": "cuDNN fp8",
 }
 # Column / bar order in tables and plots.
-DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3"]
+DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8"]
 COLORS = {
     "flash3": "#d62728",
     "flash3-det": "#e377c2",
@@ -224,7 +234,7 @@ class Backends:
     def unavailable_reason(self, impl: str) -> str | None:
         if impl in ("flash3", "flash3-det") and self.flash3 is None:
             return f"import flash3 failed: {self.flash3_error}"
-        if impl == "fa3" and self.fa3 is None:
+        if impl in ("fa3", "fa3-fp8") and self.fa3 is None:
             return f"import flash_attn_interface failed: {self.fa3_error}"
         return None
 
@@ -248,6 +258,38 @@ class Backends:
 
             def fn(q, k, v):
                 return _first(f3.attention(q, k, v, causal=causal, deterministic=deterministic))
+            return fn, contextlib.nullcontext
+
+        if impl in ("flash3-fp8", "fa3-fp8"):
+            # The kernel alone: inputs quantised once (cached per input tensors), outside
+            # the timed call. flash3: block scales + incoherent processing (fused
+            # quantiser); FA3: a plain cast with unit descales, as its benchmarks do.
+            f3, fa3 = self.flash3, self.fa3
+            cache = {}
+
+            def quantised(q, k, v):
+                key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+                if key not in cache:
+                    cache.clear()
+                    q, k, v = q.detach(), k.detach(), v.detach()
+                    if impl == "flash3-fp8":
+                        cache[key] = tuple(f3.fp8.quantize(q, k, v))
+                    else:
+                        cache[key] = tuple(t.to(_torch().float8_e4m3fn) for t in (q, k, v))
+                return cache[key]
+
+            def fn(q, k, v):
+                t = quantised(q, k, v)
+                if impl == "flash3-fp8":
+                    return f3.fp8.attention_fp8(*t, causal=causal)
+                return _first(fa3.flash_attn_func(*t, causal=causal))
+            return fn, contextlib.nullcontext
+
+        if impl == "flash3-fp8-e2e":
+            f3 = self.flash3
+
+            def fn(q, k, v):
+                return f3.fp8.attention(q.detach(), k.detach(), v.detach(), causal=causal)
             return fn, contextlib.nullcontext
 
         if impl == "fa3":
@@ -319,6 +361,18 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
         if impl.startswith("flash3") and backends.flash3_supported("fwd", dtype_name, hdim, causal) is False:
             row["fwd_error"] = "unsupported (flash3.is_supported('fwd', ...) is False)"
             fwd_ok = False
+        if impl.startswith("flash3-fp8") and not backends.flash3.fp8.is_supported(hdim, causal):
+            row["fwd_error"] = "unsupported (flash3.fp8.is_supported(...) is False)"
+            fwd_ok = False
+        if impl == "flash3-fp8" and fwd_ok:
+            # The fused quantiser on its own: reads bf16 q, k, v, writes e4m3 and scales.
+            try:
+                qd, kd, vd = (t.detach() for t in (q, k, v))
+                row["quant_ms"] = time_fn(lambda: backends.flash3.fp8.quantize(qd, kd, vd), args.warmup, args.reps)
+                row["quant_GBps"] = 3 * q.numel() * 3 / (row["quant_ms"] * 1e-3) / 1e9
+            except Exception as e:  # noqa: BLE001
+                check_cuda_alive()
+                row["quant_error"] = _err(e)
         if fwd_ok:
             try:
                 out_sample = fn(q, k, v).detach()
@@ -369,7 +423,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
     return row, out_sample
 
 
-def measure_ceilings(warmup: int = 5, reps: int = 20) -> dict:
+def measure_ceilings(warmup: int = 5, reps: int = 20, fp8: bool = False) -> dict:
     """bf16 GEMM 8192^3 TFLOPs/s and device-to-device copy bandwidth (read + write)."""
     torch = _torch()
     res = {}
@@ -381,6 +435,13 @@ def measure_ceilings(warmup: int = 5, reps: int = 20) -> dict:
         ms = time_fn(lambda: torch.matmul(a, b, out=c), warmup, reps)
         res["gemm_bf16_tflops"] = 2.0 * n ** 3 / (ms * 1e-3) / 1e12
         res["gemm_bf16_ms"] = ms
+        if fp8:
+            # FP8 GEMM ceiling (e4m3 x e4m3 -> bf16, cuBLASLt through torch._scaled_mm).
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device="cuda")
+            ms8 = time_fn(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup, reps)
+            res["gemm_fp8_tflops"] = 2.0 * n ** 3 / (ms8 * 1e-3) / 1e12
+            del a8, b8
         del a, b, c
     except Exception as e:  # noqa: BLE001
         res["gemm_error"] = _err(e)
@@ -692,6 +753,8 @@ def parse_args(argv=None):
     g.add_argument("--fwd-only", action="store_true", help="skip the backward pass")
     g.add_argument("--bwd-only", action="store_true",
                    help="report only backward (the forward is still timed: bwd = fwd+bwd - fwd)")
+    p.add_argument("--fp8", action="store_true",
+                   help="benchmark the FP8 forward (backends " + ",".join(FP8_BACKENDS) + "; implies --fwd-only)")
     p.add_argument("--reps", type=int, default=30, help="timed runs per measurement (median)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before each measurement")
     p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
@@ -745,6 +808,9 @@ def _progress_line(kind, hdim, causal, seqlen, rows_by_impl, backends_order, dif
     for impl in order:
         v = rows_by_impl.get(impl, {}).get(key)
         parts.append(f"{label(impl)}={'-' if v is None else f'{v:.1f}'}")
+    quant = rows_by_impl.get("flash3-fp8", {}).get("quant_ms")
+    if kind == "fwd" and quant is not None:
+        parts.append(f"quantise={quant * 1e3:.0f}us ({rows_by_impl['flash3-fp8']['quant_GBps']:.0f} GB/s)")
     if kind == "fwd" and diffs:
         parts.append(diffs)
     return " ".join(parts)
@@ -752,6 +818,10 @@ def _progress_line(kind, hdim, causal, seqlen, rows_by_impl, backends_order, dif
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fp8:
+        args.fwd_only = True
+        if args.backends == list(ALL_BACKENDS):
+            args.backends = list(FP8_BACKENDS)
     if args.replot:
         return replot(args)
 
@@ -783,7 +853,7 @@ def main(argv=None) -> int:
         print(f"flash3 {info['flash3'].get('version')} from {info['flash3'].get('file')}: {nk} kernels", flush=True)
     if "fa3" in args.backends and backends.fa3 is None:
         print(f"note: FA3 (flash_attn_interface) not available: {backends.fa3_error}", flush=True)
-    backends_run = [b for b in args.backends if not (b == "fa3" and backends.fa3 is None)]
+    backends_run = [b for b in args.backends if not (b in ("fa3", "fa3-fp8") and backends.fa3 is None)]
 
     data = {
         "schema": "flash3-bench-v1",
@@ -802,8 +872,10 @@ def main(argv=None) -> int:
     rc = 0
     try:
         if args.ceilings:
-            data["ceilings"] = measure_ceilings()
+            data["ceilings"] = measure_ceilings(fp8=args.fp8)
             c = data["ceilings"]
+            if c.get("gemm_fp8_tflops"):
+                print(f"ceilings: fp8 GEMM 8192^3 {_fmt(c.get('gemm_fp8_tflops'), 1)} TFLOPs/s", flush=True)
             print(f"ceilings: bf16 GEMM 8192^3 {_fmt(c.get('gemm_bf16_tflops'), 1)} TFLOPs/s, "
                   f"device copy {_fmt(c.get('copy_TBps'), 2)} TB/s", flush=True)
         for hdim in args.hdims:

@@ -3,10 +3,13 @@
     import flash3
     out = flash3.attention(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
 
+``flash3.fp8`` is the FP8 (e4m3) path: ``flash3.fp8.attention(q, k, v, causal=True)`` on bf16
+tensors (fused quantiser with block scales and incoherent processing, then the FP8 kernel).
+
 ``flash3.reference`` holds PyTorch references (a float64 softmax(QK^T)V and the kernel's
 blockwise running-softmax loop) that run anywhere.
 """
-from . import reference
+from . import fp8, reference
 from .interface import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEADDIMS,
@@ -20,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "fp8",
     "build_info",
     "is_supported",
     "reference",

@@ -8,6 +8,9 @@ kernel holds the instructions the design promises:
   BAR.SYNC / BAR.ARV   named barriers: forward, pingpong scheduling of the consumer
                warpgroups; backward, the P/dS hand-over between them (BAR.SYNC only)
 
+The FP8 kernels (flash_fwd_fp8_kernel) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
+in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (stmatrix).
+
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
 time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
 from Triton's wheel.
@@ -26,6 +29,7 @@ NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
+REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
 # Kernels allowed some local-memory instructions: (head dim, causal) -> the most LDL + STL
 # accepted, so that the check still fails on any new spill or a larger one. Empty: no
 # kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
@@ -84,25 +88,34 @@ def main():
         args.dump.write_text(sass)
     functions = list(split_functions(sass))
     failed = False
-    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN))
-    for kind, required_all in (("fwd", REQUIRED), ("bwd", REQUIRED_BWD)):
-        kernels = [(name, body) for name, body in functions if f"flash_{kind}_kernel" in name]
+    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN) + "  (fp8: LDSM.T STSM)")
+    kinds = (("fwd", REQUIRED, "flash_fwd_kernel"), ("bwd", REQUIRED_BWD, "flash_bwd_kernel"),
+             ("fp8", REQUIRED_FP8, "flash_fwd_fp8_kernel"))
+    for kind, required_all, marker in kinds:
+        kernels = [(name, body) for name, body in functions if marker in name]
         for name, body in kernels:
-            counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + FORBIDDEN}
+            counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN}
+            if kind == "fp8":
+                counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
             required = [r for r in required_all
                         if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
             ok = all(counts[r] > 0 for r in required) and local <= allowed
             failed |= not ok
-            short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
+            if kind == "fp8":
+                short = "fp8:" + re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I",
                                         "", name)[:54]
+            else:
+                short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
+                                            "", name)[:54]
+            extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if kind == "fp8" else ""
             note = "" if ok else "  FAIL"
             if ok and local:
                 note = f"  known spill (<= {allowed})"
-            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + note)
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN) + extra + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if failed else 'ok'}")
-    if not any(f"flash_{kind}_kernel" in name for name, _ in functions for kind in ("fwd", "bwd")):
+    if not any(marker in name for name, _ in functions for _k, _r, marker in kinds):
         sys.exit(f"check_sass: no flash3 kernel in {module}")
     sys.exit(1 if failed else 0)
 

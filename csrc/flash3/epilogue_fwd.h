@@ -16,9 +16,10 @@ namespace flash3 {
 
 using namespace cute;
 
-template <class Traits>
+// ElementO: the output type (the FP8 kernel writes bf16; the 16-bit ones their input type).
+template <class Traits, class ElementO = typename Traits::Element>
 struct EpilogueFwd {
-  using Element = typename Traits::Element;
+  using Element = ElementO;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 

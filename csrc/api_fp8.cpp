@@ -1,0 +1,222 @@
+// The torch binding of the FP8 path, next to api.cpp's and registered into the same
+// `flash3` op namespace (TORCH_LIBRARY_FRAGMENT):
+//
+//   flash3::fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal) -> (out, lse)
+//       q, k, v float8_e4m3fn (batch, seqlen, nheads[_k], headdim); scales float32
+//       (batch, nheads, ceil(seqlen_q / 64)) for q and (batch, nheads_k, ceil(seqlen_k / 128))
+//       for k and v, any strides (zero strides for per-head or per-tensor scales);
+//       out bf16 like q, lse float32 (batch, nheads, seqlen_q).
+//   flash3::quantize_fp8(x, signs, block_rows) -> (x8, scale)
+//       x bf16 (batch, seqlen, nheads, headdim); signs float32 (headdim,) of +-1 or None;
+//       x8 float8_e4m3fn contiguous, scale float32 (batch, nheads, ceil(seqlen / block_rows)).
+//   flash3::fp8_kernels() -> int[]   the FP8 forward kernels built, as headdim * 2 + causal
+//
+// flash3/fp8.py validates arguments first; these checks are the last line of defence.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <utility>
+#include <tuple>
+#include <vector>
+
+#include "flash3/dispatch_fp8.h"
+#include "flash3/params_fp8.h"
+
+namespace {
+
+struct DeviceProps {
+  int major = 0, minor = 0, num_sms = 0;
+};
+
+// Queried once per device (cudaDeviceGetAttribute is cheap, but not free at short
+// sequences).
+DeviceProps device_props(int device) {
+  static std::mutex mutex;
+  static std::vector<std::pair<int, DeviceProps>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto const& entry : cache) {
+    if (entry.first == device) { return entry.second; }
+  }
+  DeviceProps p;
+  cudaDeviceGetAttribute(&p.major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&p.minor, cudaDevAttrComputeCapabilityMinor, device);
+  cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device);
+  cache.emplace_back(device, p);
+  return p;
+}
+
+// TMA and the quantiser's 16-byte accesses: last dim contiguous, other strides multiples
+// of 16 bytes, base 16-byte aligned; anything else is copied once.
+at::Tensor aligned16(at::Tensor const& t) {
+  int64_t const align = 16 / t.element_size();
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < t.dim() - 1; ++d) { ok = ok && (t.stride(d) % align == 0 || t.size(d) == 1); }
+  return ok ? t : t.contiguous();
+}
+
+flash3::BlockScales block_scales(at::Tensor const& s, char const* name, int64_t batch, int64_t heads,
+                                 int64_t blocks, at::Device device) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "flash3: ", name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.device() == device, "flash3: ", name, " must be on the device of q");
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == batch && s.size(1) == heads && s.size(2) == blocks, "flash3: ", name,
+              " must have shape (", batch, ", ", heads, ", ", blocks, "), got ", s.sizes());
+  flash3::BlockScales out;
+  out.ptr = s.data_ptr<float>();
+  out.batch_stride = s.stride(0);
+  out.head_stride = s.stride(1);
+  out.block_stride = s.stride(2);
+  out.num_blocks = static_cast<int>(blocks);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                           at::Tensor const& q_scale, at::Tensor const& k_scale,
+                                           at::Tensor const& v_scale, double softmax_scale, bool causal) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
+  TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && k.scalar_type() == at::kFloat8_e4m3fn &&
+                  v.scalar_type() == at::kFloat8_e4m3fn,
+              "flash3: fwd_fp8 takes torch.float8_e4m3fn q, k, v; got ", q.scalar_type(), ", ", k.scalar_type(),
+              ", ", v.scalar_type());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "flash3: q, k, v must be 4-D (batch, seqlen, nheads, headdim)");
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash3: k and v must have the same shape");
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == headdim, "flash3: k must be (batch, seqlen_k, nheads_k, ",
+              headdim, ") with batch ", batch);
+  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash3: nheads (", nheads,
+              ") must be a multiple of nheads_k (", nheads_k, ")");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "flash3: softmax_scale must be positive and finite");
+  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
+  int64_t const q_blocks = (seqlen_q + flash3::kScaleBlockQ - 1) / flash3::kScaleBlockQ;
+  int64_t const k_blocks = (seqlen_k + flash3::kScaleBlockK - 1) / flash3::kScaleBlockK;
+  flash3::FwdFp8Params params;
+  params.q_scale = block_scales(q_scale, "q_scale", batch, nheads, q_blocks, q.device());
+  params.k_scale = block_scales(k_scale, "k_scale", batch, nheads_k, k_blocks, q.device());
+  params.v_scale = block_scales(v_scale, "v_scale", batch, nheads_k, k_blocks, q.device());
+
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(at::kBFloat16));
+  auto lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return {out, lse}; }
+  if (seqlen_k == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  DeviceProps const props_value = device_props(q.get_device());
+  DeviceProps const* props = &props_value;
+  TORCH_CHECK(props->major == 9 && props->minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", props->major,
+              props->minor);
+  at::Tensor const q_tma = aligned16(q);
+  at::Tensor const k_tma = aligned16(k);
+  at::Tensor const v_tma = aligned16(v);
+
+  flash3::FwdParams& p = params.base;
+  p.q_ptr = q_tma.data_ptr();
+  p.k_ptr = k_tma.data_ptr();
+  p.v_ptr = v_tma.data_ptr();
+  p.o_ptr = out.data_ptr();
+  p.lse_ptr = lse.data_ptr<float>();
+  p.q_batch_stride = q_tma.stride(0);
+  p.q_row_stride = q_tma.stride(1);
+  p.q_head_stride = q_tma.stride(2);
+  p.k_batch_stride = k_tma.stride(0);
+  p.k_row_stride = k_tma.stride(1);
+  p.k_head_stride = k_tma.stride(2);
+  p.v_batch_stride = v_tma.stride(0);
+  p.v_row_stride = v_tma.stride(1);
+  p.v_head_stride = v_tma.stride(2);
+  p.o_batch_stride = out.stride(0);
+  p.o_row_stride = out.stride(1);
+  p.o_head_stride = out.stride(2);
+  p.batch = static_cast<int>(batch);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_k = static_cast<int>(seqlen_k);
+  p.nheads = static_cast<int>(nheads);
+  p.nheads_k = static_cast<int>(nheads_k);
+  p.headdim = static_cast<int>(headdim);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.num_sms = props->num_sms;
+
+  cudaError_t status = cudaSuccess;
+  bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,
+                                              c10::cuda::getCurrentCUDAStream().stream(), &status);
+  TORCH_CHECK(found, "flash3: this build holds no FP8 forward kernel for headdim ", headdim, ", causal ", causal,
+              " (see flash3.fp8.built_kernels())");
+  TORCH_CHECK(status == cudaSuccess, "flash3: FP8 forward kernel launch failed: ", cudaGetErrorString(status));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::optional<at::Tensor> const& signs,
+                                                int64_t block_rows) {
+  TORCH_CHECK(x.is_cuda(), "flash3: quantize_fp8 takes a CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "flash3: quantize_fp8 takes bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 4, "flash3: quantize_fp8 takes (batch, seqlen, nheads, headdim)");
+  int64_t const headdim = x.size(3);
+  TORCH_CHECK(headdim == 64 || headdim == 128 || headdim == 256, "flash3: quantize_fp8 headdim is ", headdim,
+              "; supported: 64, 128, 256");
+  TORCH_CHECK(block_rows == 64 || block_rows == 128, "flash3: quantize_fp8 block_rows is ", block_rows,
+              "; supported: 64, 128");
+  c10::cuda::CUDAGuard const device_guard(x.device());
+  at::Tensor const in = aligned16(x);
+  int64_t const batch = x.size(0), seqlen = x.size(1), nheads = x.size(2);
+  int64_t const blocks = (seqlen + block_rows - 1) / block_rows;
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty({batch, nheads, blocks}, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) { return {out, scale}; }
+  at::Tensor signs_f;
+  if (signs.has_value()) {
+    TORCH_CHECK(signs->dim() == 1 && signs->size(0) == headdim, "flash3: signs must be (", headdim, ",)");
+    signs_f = signs->to(x.device(), at::kFloat).contiguous();
+  }
+  flash3::QuantizeParams p;
+  p.in_ptr = in.data_ptr();
+  p.in_batch_stride = in.stride(0);
+  p.in_row_stride = in.stride(1);
+  p.in_head_stride = in.stride(2);
+  p.out_ptr = out.data_ptr();
+  p.out_batch_stride = out.stride(0);
+  p.out_row_stride = out.stride(1);
+  p.out_head_stride = out.stride(2);
+  p.scale_ptr = scale.data_ptr<float>();
+  p.signs_ptr = signs.has_value() ? signs_f.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(batch);
+  p.seqlen = static_cast<int>(seqlen);
+  p.nheads = static_cast<int>(nheads);
+  p.headdim = static_cast<int>(headdim);
+  p.block_rows = static_cast<int>(block_rows);
+  p.num_blocks = static_cast<int>(blocks);
+  cudaError_t const status = flash3::run_quantize_fp8(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(status == cudaSuccess, "flash3: quantize_fp8 launch failed: ", cudaGetErrorString(status));
+  return {out, scale};
+}
+
+std::vector<int64_t> fp8_kernels() {
+  std::vector<int64_t> out;
+  for (auto const& k : flash3::built_kernels_fp8()) { out.push_back(int64_t(k.headdim) * 2 + (k.causal ? 1 : 0)); }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flash3, m) {
+  m.def(
+      "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, float softmax_scale, "
+      "bool causal) -> (Tensor out, Tensor lse)");
+  m.def("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)");
+  m.def("fp8_kernels() -> int[]", &fp8_kernels);
+}
+
+TORCH_LIBRARY_IMPL(flash3, CUDA, m) {
+  m.impl("fwd_fp8", &fwd_fp8);
+  m.impl("quantize_fp8", &quantize_fp8);
+}

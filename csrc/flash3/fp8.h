@@ -1,0 +1,243 @@
+// The pieces the FP8 (e4m3) forward adds to the 16-bit one: its params, the in-smem V
+// transpose, P converted to an FP8 WGMMA A operand, the online softmax with per-tile
+// (block-quantised) scales, and the consumers' pingpong turn-taking.
+//
+// Block quantisation: one float scale per 64 query rows (kScaleBlockQ) and per 128 keys
+// (kScaleBlockK), per head; x = x8 * scale. The scales enter the kernel as strided
+// (batch, head, block) tensors, so a per-(batch, head) or per-tensor scale is the same
+// tensor with a zero block (and head) stride.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "barriers.h"
+#include "params_fp8.h"
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------
+// V transpose in shared memory.
+//
+// FP8 WGMMA reads its B operand only K-major; for O += P V the K dimension is the keys,
+// so V (keys x head dim, head dim contiguous, as TMA brings it) must become V^T (head dim
+// x keys, keys contiguous). The producer warpgroup does this per tile, a 16-key x 32-column
+// block per warp and step: LDSM.T (ldmatrix .trans on 16-bit pairs) loads four 8x8 u16
+// matrices, two byte permutes per pair of registers regroup the bytes by column, STSM
+// stores four 8x8 u16 matrices of V^T.
+//
+// After ldmatrix.trans, thread t = 4c + q of a warp holds, for the matrix of keys
+// key0 .. key0+7 and columns d0 .. d0+15: bytes (V[2q][2c], V[2q][2c+1], V[2q+1][2c],
+// V[2q+1][2c+1]) (rows relative to key0, columns to d0). With r0 from keys 0..7 and r1
+// from keys 8..15 of the same columns,
+//   byte_perm(r0, r1, 0x6420) = (V[2q][2c], V[2q+1][2c], V[8+2q][2c], V[9+2q][2c])
+// is row 2c of V^T at keys (2q, 2q+1, 8+2q, 9+2q), and 0x7531 gives row 2c+1. stmatrix
+// puts thread t's word at row c, bytes 4q .. 4q+3 of its matrix; so byte 4q + i of each
+// 16-key group of a V^T row holds key [2q, 2q+1, 8+2q, 9+2q][i] of the group. That key
+// order within 16 keys is exactly the order in which a thread's S accumulator holds its
+// columns, which is what makes P's conversion to an A operand permutation-free across
+// threads (see convert_p_to_operand_a).
+// ---------------------------------------------------------------------------------------
+
+CUTLASS_DEVICE void ldsm_x4_trans(uint32_t smem_addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_addr));
+}
+
+CUTLASS_DEVICE void stsm_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :
+               : "r"(smem_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// SmemLayoutV: (keys, head dim, stage), head dim contiguous; SmemLayoutVt: (head dim,
+// keys, stage), keys contiguous. Both byte-addressed (8-bit elements), swizzled in 16-byte
+// units, so every 16 bytes a lane addresses are contiguous.
+template <class SmemLayoutV, class SmemLayoutVt, int kBlockN, int kHeadDim, int kThreads>
+struct TransposeV {
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kBlocksN = kBlockN / 16;
+  static constexpr int kBlocks = kBlocksN * (kHeadDim / 32);
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "V tile must split into 16 x 32 blocks");
+  static_assert(kBlocks % kWarps == 0, "each warp transposes the same number of blocks");
+
+  CUTLASS_DEVICE static void run(uint8_t const* smem_v, uint8_t* smem_vt, int stage_v, int stage_vt, int thread_idx) {
+    int const warp = thread_idx / 32;
+    int const lane = thread_idx % 32;
+    int const matrix = lane / 8;  // which 8x8 matrix this lane addresses a row of
+    int const row = lane % 8;
+    uint32_t const v_base = cast_smem_ptr_to_uint(smem_v);
+    uint32_t const vt_base = cast_smem_ptr_to_uint(smem_vt);
+    // Not unrolled: the producer runs on 32 registers, and unrolling hoists every step's
+    // addresses into registers (spills).
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int i = 0; i < kBlocks / kWarps; ++i) {
+      int const block = warp + i * kWarps;
+      int const key0 = (block % kBlocksN) * 16;
+      int const d0 = (block / kBlocksN) * 32;
+      // Matrices: 0 = keys 0..7 x cols 0..15, 1 = keys 8..15 x cols 0..15, 2 and 3 the
+      // same at cols 16..31.
+      int const src = SmemLayoutV{}(key0 + 8 * (matrix % 2) + row, d0 + 16 * (matrix / 2), stage_v);
+      uint32_t r0, r1, r2, r3;
+      ldsm_x4_trans(v_base + src, r0, r1, r2, r3);
+      uint32_t const o0 = __byte_perm(r0, r1, 0x6420);  // V^T row d0 + 2c
+      uint32_t const o1 = __byte_perm(r0, r1, 0x7531);  // V^T row d0 + 2c + 1
+      uint32_t const o2 = __byte_perm(r2, r3, 0x6420);  // V^T row d0 + 16 + 2c
+      uint32_t const o3 = __byte_perm(r2, r3, 0x7531);  // V^T row d0 + 16 + 2c + 1
+      // Matrix m of the store holds V^T rows d0 + 16 * (m / 2) + 2 * r + m % 2, r = 0..7,
+      // and keys key0 .. key0 + 15.
+      int const dst = SmemLayoutVt{}(d0 + 16 * (matrix / 2) + 2 * row + matrix % 2, key0, stage_vt);
+      stsm_x4(vt_base + dst, o0, o1, o2, o3);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// P to an FP8 A operand.
+//
+// S accumulator of one 64 x N WGMMA, per thread, flat register index v = i0 + 2 i1 + 4 j:
+// row r + 8 i1, column 8 j + 2q + i0 (CLayout_64xN). FP8 A operand (64 x 32 per k-block),
+// flat index a = i + 4 h + 8 g within k-block kb: row r + 8 h, k 32 kb + 16 g + 4q + i
+// (ALayout_64x32). With V^T's keys stored as above (k position 16 g + 4q + i holds key
+// 16 g + [2q, 2q+1, 8+2q, 9+2q][i] of the 32-key chunk), A value a must be S value
+//   16 kb + 8 g + [0, 1, 4, 5] [i]  (h = 0, row r)
+//   16 kb + 8 g + [2, 3, 6, 7] [i]  (h = 1, row r + 8)
+// a permutation inside the thread: no shuffles.
+// ---------------------------------------------------------------------------------------
+
+// Two floats to two e4m3 (saturating, round to nearest even): lo in the low byte.
+CUTLASS_DEVICE uint32_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+CUTLASS_DEVICE uint32_t pack_e4m3x4(float b0, float b1, float b2, float b3) {
+  return cvt_e4m3x2(b0, b1) | (cvt_e4m3x2(b2, b3) << 16);
+}
+
+template <class TensorS, class TensorP>
+CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
+  constexpr int kNumel = decltype(size(tSrS))::value;
+  static_assert(kNumel == decltype(size(tOrP))::value && kNumel % 16 == 0);
+  static_assert(sizeof(typename TensorP::value_type) == 1, "P must be an 8-bit operand");
+  float const* s = tSrS.data();
+  uint32_t* p = reinterpret_cast<uint32_t*>(raw_pointer_cast(tOrP.data()));
+  CUTE_UNROLL
+  for (int base = 0; base < kNumel; base += 8) {
+    p[base / 4 + 0] = pack_e4m3x4(s[base + 0], s[base + 1], s[base + 4], s[base + 5]);
+    p[base / 4 + 1] = pack_e4m3x4(s[base + 2], s[base + 3], s[base + 6], s[base + 7]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Online softmax with a scale per key tile.
+//
+// S as computed is Q8 K8^T; the true scores are s = q_scale * k_scale(tile) * S. The
+// factor c = softmax_scale * log2(e) * q_scale * k_scale(tile) turns raw scores into the
+// log2 domain, and the running max is kept there (comparable across tiles with different
+// scales): max commutes with a positive scale, so each exponent stays one FFMA,
+// exp2(S * c - max). P is computed as 2^kMaxOffset times its value (<= 256, within e4m3's
+// 448), so that small probabilities keep e4m3's normal range; the factor cancels in
+// O / rowsum.
+// ---------------------------------------------------------------------------------------
+template <int kRows>
+struct OnlineSoftmaxFp8 {
+  static constexpr float kMaxOffset = 8.f;
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // log2 domain, -inf: no key yet
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
+
+  CUTLASS_DEVICE OnlineSoftmaxFp8() {
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.f);
+  }
+
+  // The subtrahend of the exponent: max - offset, with -inf (nothing visible) mapped to 0
+  // so that exp2(-inf - 0) = 0 rather than NaN.
+  CUTLASS_DEVICE float shift(int mi) const { return row_max(mi) == -INFINITY ? 0.f : row_max(mi) - kMaxOffset; }
+
+  template <bool kFirstTile, class TensorS>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float scale_log2) {
+    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
+    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float tile_max = -INFINITY;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) { tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni)); }
+      tile_max = quad_allreduce(tile_max, MaxOp{}) * scale_log2;
+      float const prev_shift = kFirstTile ? 0.f : shift(mi);
+      bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
+      row_max(mi) = fmaxf(row_max(mi), tile_max);
+      float const cur_shift = shift(mi);
+      // No visible key so far: the accumulator and the sum are 0, any factor will do.
+      correction(mi) = had_keys ? exp2f(prev_shift - cur_shift) : 1.f;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+        float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - cur_shift);
+        tSrS_rowcol(mi, ni) = p;
+        sum += p;
+      }
+      row_sum(mi) = row_sum(mi) * correction(mi) + sum;
+    }
+    return correction;
+  }
+
+  // O accumulates in units of the current V tile's scale; finalize multiplies by it and
+  // divides by the row sums. Returns the natural-log logsumexp (-inf for an empty row).
+  template <class TensorO>
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float v_scale) {
+    Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float const sum = quad_allreduce(row_sum(mi), SumOp{});
+      bool const empty = sum == 0.f || sum != sum;
+      float const factor = empty ? 0.f : v_scale / sum;
+      lse(mi) = empty ? -INFINITY : (row_max(mi) - kMaxOffset) * 0.693147180559945309f + __logf(sum);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= factor; }
+    }
+    return lse;
+  }
+};
+
+// Pingpong between consumer warpgroups (as in the 16-bit mainloop): a warpgroup waits
+// for its turn before issuing its GEMMs and passes the turn on right after, so one
+// warpgroup's GEMMs overlap the other's softmax. Every warpgroup issues the same number of
+// times per tile; the last warpgroup's final hand-over is skipped (its first turn came
+// from start()), which balances the barriers at each tile boundary. No counters: the
+// caller says which issue is the final one (registers are tight at hdim 256).
+template <int kWarpgroups, bool kEnabled>
+struct PingpongTurns {
+  static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  int warpgroup;
+
+  // Only for a tile with at least one key tile.
+  CUTLASS_DEVICE void start() const {
+    if constexpr (kEnabled) {
+      if (warpgroup == kWarpgroups - 1) { named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0)); }
+    }
+  }
+  CUTLASS_DEVICE void wait_turn() const {
+    if constexpr (kEnabled) { named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup)); }  // LOCK
+  }
+  template <bool kFinalIssue>
+  CUTLASS_DEVICE void pass_turn() const {
+    if constexpr (kEnabled) {
+      if (!(kFinalIssue && warpgroup == kWarpgroups - 1)) {
+        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+      }
+    }
+  }
+};
+
+}  // namespace flash3

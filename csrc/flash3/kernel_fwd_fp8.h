@@ -1,0 +1,146 @@
+// FlashFwdKernelFp8: the warp-specialised FP8 forward kernel. The producer warpgroup
+// streams Q, K and V with TMA and transposes V in shared memory; two consumer warpgroups
+// run the FP8 WGMMAs and the online softmax; O is written in bf16.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "epilogue_fwd.h"
+#include "fp8.h"
+#include "mainloop_fwd_fp8.h"
+#include "scheduler.h"
+#include "traits_fp8.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits_, class Mask_>
+struct FlashFwdKernelFp8 {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  using Mainloop = MainloopFwdFp8<Traits, Mask>;
+  using Epilogue = EpilogueFwd<Traits, typename Traits::ElementOut>;
+  using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
+  using PipelineK = typename Traits::PipelineK;
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineVt = typename Traits::PipelineVt;
+  using PipelineState = typename Traits::PipelineState;
+
+  static constexpr int kThreads = Traits::kThreads;
+
+  struct SharedStorage {
+    typename Mainloop::SharedStorage mainloop;
+    // Q: full when its TMA bytes have landed; empty when both consumer warpgroups have
+    // finished their last Q K^T of the tile.
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full;
+    alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;
+    alignas(16) typename PipelineK::SharedStorage pipeline_k;
+    alignas(16) typename PipelineV::SharedStorage pipeline_v;
+    alignas(16) typename PipelineVt::SharedStorage pipeline_vt;
+  };
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+  static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    typename Scheduler::Params scheduler;
+  };
+
+  static Params to_params(FwdFp8Params const& p) {
+    int const num_m_blocks = (p.base.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    return {Mainloop::to_params(p), Epilogue::to_params(p.base),
+            Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch)};
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    auto const role = WarpGroupRole(cutlass::canonical_warp_group_idx());
+    int const lane_predicate = cute::elect_one_sync();
+    bool const is_producer = role == WarpGroupRole::Producer;
+
+    if (warp_idx == 0 && lane_predicate) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      storage.barrier_q_full.init(/*arrive_count=*/1);
+      storage.barrier_q_empty.init(/*arrive_count=*/Traits::kConsumerThreads);
+    }
+
+    // K: TMA -> consumers. V: TMA -> the producer warpgroup's transposer. V^T: transposer
+    // (every producer thread arrives) -> consumers (every consumer thread releases).
+    typename PipelineK::Params params_k;
+    params_k.transaction_bytes = Traits::kBytesKV;
+    params_k.num_consumers = Traits::kConsumerThreads;
+    params_k.role = is_producer ? PipelineK::ThreadCategory::Producer : PipelineK::ThreadCategory::Consumer;
+    params_k.is_leader = warp_idx == 0 && lane_predicate;
+    PipelineK pipeline_k(storage.pipeline_k, params_k, Shape<_1, _1, _1>{});
+
+    typename PipelineV::Params params_v;
+    params_v.transaction_bytes = Traits::kBytesKV;
+    params_v.num_consumers = Traits::kProducerThreads;
+    params_v.role = is_producer ? PipelineV::ThreadCategory::ProducerConsumer : PipelineV::ThreadCategory::NonParticipant;
+    params_v.is_leader = warp_idx == 0 && lane_predicate;
+    PipelineV pipeline_v(storage.pipeline_v, params_v, Shape<_1, _1, _1>{});
+
+    typename PipelineVt::Params params_vt;
+    params_vt.producer_arv_count = Traits::kProducerThreads;
+    params_vt.consumer_arv_count = Traits::kConsumerThreads;
+    params_vt.role = is_producer ? PipelineVt::ThreadCategory::Producer : PipelineVt::ThreadCategory::Consumer;
+    PipelineVt pipeline_vt(storage.pipeline_vt, params_vt);
+
+    __syncthreads();  // barrier initialisation visible to all before use
+
+    auto const& sched = params.scheduler;
+    if (is_producer) {
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+      bool const tma_thread = warp_idx == 0 && lane_predicate;
+      int const thread_idx = int(threadIdx.x);
+      PipelineState write_k = cutlass::make_producer_start_state<PipelineK>();
+      PipelineState write_v = cutlass::make_producer_start_state<PipelineV>();
+      PipelineState write_vt = cutlass::make_producer_start_state<PipelineVt>();
+      PipelineState read_v;
+      int q_phase = 0;
+      for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+        auto const tile = Scheduler::coord(sched, t);
+        if (Mainloop::n_block_end(params.mainloop, tile.m_block) <= 0) { continue; }
+        Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty, q_phase,
+                       pipeline_k, pipeline_v, pipeline_vt, write_k, write_v, read_v, write_vt, tile.m_block,
+                       tile.head, tile.batch, tma_thread, thread_idx);
+        q_phase ^= 1;
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+      int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      PipelineState read_k, read_vt;
+      int q_phase = 0;
+      for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+        auto const tile = Scheduler::coord(sched, t);
+        bool const has_keys = Mainloop::n_block_end(params.mainloop, tile.m_block) > 0;
+        Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
+        auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
+                                 q_phase, pipeline_k, pipeline_vt, read_k, read_vt, tOrO, thread_idx, tile.m_block,
+                                 tile.head, tile.batch);
+        if (has_keys) { q_phase ^= 1; }
+        Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    flash_fwd_fp8_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) char smem[];
+  Kernel{}(params, smem);
+#endif
+}
+
+}  // namespace flash3

@@ -1,0 +1,30 @@
+// Host side of the FP8 forward kernel; each instantiation .cu includes this once for one
+// (head dim, mask).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fp8.h"
+#include "kernel_fwd_fp8.h"
+#include "traits_fp8.h"
+
+namespace flash3 {
+
+// kBlockN: 0 for the tile of TileConfigFp8, else an alternative key tile (A/B runs).
+template <int kHeadDim, class Mask, int kBlockN>
+cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
+  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN>, Mask>;
+  auto kernel_params = Kernel::to_params(params);
+  dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.base.num_sms);
+  auto* kernel = &flash_fwd_fp8_kernel<Kernel>;
+  constexpr int kSmem = Kernel::kSharedStorageSize;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) { return err; }
+  kernel<<<grid, Kernel::kThreads, kSmem, stream>>>(kernel_params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash3
+
+#define FLASH3_INSTANTIATE_FWD_FP8(HDIM, MASK, BLOCK_N) \
+  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK, BLOCK_N>(flash3::FwdFp8Params const&, cudaStream_t);

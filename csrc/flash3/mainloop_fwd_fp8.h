@@ -1,0 +1,296 @@
+// The FP8 forward mainloop. Producer warpgroup: one elected thread issues the TMA loads of
+// Q, K and V; all 128 threads transpose each V tile into V^T in shared memory. Consumers:
+// S = Q K^T and O += P V^T as FP8 WGMMAs with the online softmax in between, the same
+// overlapped schedule as the 16-bit mainloop (mainloop_fwd.h), plus the block scales.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "barriers.h"
+#include "fp8.h"
+#include "mask.h"
+#include "traits_fp8.h"
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+template <class Traits, class Mask>
+struct MainloopFwdFp8 {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  using TileShapeMNK = typename Traits::TileShapeMNK;
+  using SmemLayoutQ = typename Traits::SmemLayoutQ;
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  using SmemLayoutV = typename Traits::SmemLayoutV;
+  using SmemLayoutVt = typename Traits::SmemLayoutVt;
+  using PipelineK = typename Traits::PipelineK;
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineVt = typename Traits::PipelineVt;
+  using PipelineState = typename Traits::PipelineState;
+  using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, headdim, head, batch)
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+
+  template <class SmemLayout, class BoxShape>
+  static auto make_tma_load(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride,
+                            SmemLayout const& smem_layout, BoxShape const& box) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, smem_layout, box, /*cluster_size=*/_1{});
+  }
+  using TmaQ = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})));
+  using TmaK = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})));
+  using TmaV = TmaK;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> smem_vt;
+  };
+
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    int seqlen_q;
+    int seqlen_k;
+    int head_group;  // nheads / nheads_k
+    float softmax_scale_log2;
+    BlockScales q_scale, k_scale, v_scale;
+  };
+
+  static Params to_params(FwdFp8Params const& pf) {
+    FwdParams const& p = pf.base;
+    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+    StrideQKV stride_q = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
+    StrideQKV stride_k = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
+    StrideQKV stride_v = make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride);
+    return {make_tma_load(static_cast<Element const*>(p.q_ptr), shape_q, stride_q, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})),
+            make_tma_load(static_cast<Element const*>(p.k_ptr), shape_k, stride_k, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})),
+            make_tma_load(static_cast<Element const*>(p.v_ptr), shape_k, stride_v, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{})),
+            shape_q, shape_k, p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k, p.softmax_scale_log2,
+            pf.q_scale, pf.k_scale, pf.v_scale};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  CUTLASS_DEVICE static int n_block_end(Params const& params, int m_block) {
+    return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);
+  }
+
+  // Producer warpgroup, all 128 threads (thread_idx 0..127); tma_thread is the one that
+  // issues TMA. Key tiles go from the last one down, as in the 16-bit mainloop. V(n) is
+  // transposed while the TMA of K(n-1) and V(n-1) is in flight.
+  CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
+                                  PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineVt& pipeline_vt,
+                                  PipelineState& write_k, PipelineState& write_v, PipelineState& read_v,
+                                  PipelineState& write_vt, int m_block, int head, int batch,
+                                  bool tma_thread, int thread_idx) {
+    int const n_end = n_block_end(params, m_block);
+    if (n_end <= 0) { return; }
+    int const head_kv = head / params.head_group;
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, batch);     // (seqlen_q, d)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    if (tma_thread) {
+      pipeline_k.producer_acquire(write_k);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_end - 1), tKsK(_, write_k.index()));
+      ++write_k;
+      barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
+      barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
+           tQgQ, tQsQ);
+      pipeline_v.producer_acquire(write_v);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_end - 1), tVsV(_, write_v.index()));
+      ++write_v;
+    }
+
+    uint8_t* smem_v = reinterpret_cast<uint8_t*>(storage.smem_v.data());
+    uint8_t* smem_vt = reinterpret_cast<uint8_t*>(storage.smem_vt.data());
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int n_block = n_end - 1; n_block >= 0; --n_block) {
+      if (tma_thread && n_block > 0) {
+        pipeline_k.producer_acquire(write_k);
+        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block - 1), tKsK(_, write_k.index()));
+        ++write_k;
+        pipeline_v.producer_acquire(write_v);
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block - 1), tVsV(_, write_v.index()));
+        ++write_v;
+      }
+      __syncwarp();  // ldmatrix / stmatrix are warp-collective
+      pipeline_v.consumer_wait(read_v);       // LOCK V stage (TMA landed)
+      pipeline_vt.producer_acquire(write_vt);  // LOCK V^T stage (consumers done with it)
+      Traits::Transpose::run(smem_v, smem_vt, read_v.index(), write_vt.index(), thread_idx);
+      // The WGMMAs read V^T through the async proxy: make the generic-proxy stores visible.
+      cutlass::arch::fence_view_async_shared();
+      pipeline_vt.producer_commit(write_vt);  // UNLOCK V^T stage for the consumers
+      ++write_vt;
+      pipeline_v.consumer_release(read_v);  // UNLOCK V stage for the next TMA
+      ++read_v;
+    }
+  }
+
+  // Consumers: returns the output accumulator (normalised, dequantised) and the logsumexp
+  // of this thread's rows. As in the 16-bit mainloop, iteration j issues S(j) = Q K(j)^T
+  // and O += P(j+1) V(j+1) together and runs the softmax of S(j) while the latter runs.
+  template <class TensorO>
+  CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
+                                 cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                 cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
+                                 PipelineK& pipeline_k, PipelineVt& pipeline_vt,
+                                 PipelineState& read_k, PipelineState& read_vt,
+                                 TensorO& tOrO, int thread_idx, int m_block, int head, int batch) {
+    using TiledMmaQK = typename Traits::TiledMmaQK;
+    using TiledMmaPV = typename Traits::TiledMmaPV;
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_vt.data()), SmemLayoutVt{});
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
+
+    Tensor cS = make_identity_tensor(select<0, 1>(TileShapeMNK{}));
+    Tensor tScS_rowcol = make_tensor(thr_mma_qk.partition_C(cS).data(),
+                                     accumulator_rowcol(thr_mma_qk.partition_C(cS).layout()));
+
+    Policy const policy{params.seqlen_q, params.seqlen_k};
+    int const n_end = policy.n_block_end(m_block);
+    constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
+    OnlineSoftmaxFp8<kRows> softmax;
+    Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    if (n_end <= 0) {
+      clear(tOrO);
+      return softmax.finalize(tOrO_rowcol, 0.f);
+    }
+    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong> const turns{warpgroup};
+    turns.start();
+
+    // Scales: this warpgroup's 64 query rows share one (a warpgroup wholly past seqlen_q
+    // reads none); each key tile lies in one K and one V scale block.
+    int const head_kv = head / params.head_group;
+    int const q_block = (m_block * kBlockM) / kScaleBlockQ + warpgroup;
+    float const q_scale = q_block < params.q_scale.num_blocks
+                              ? params.q_scale.head_ptr(batch, head)[q_block * params.q_scale.block_stride]
+                              : 1.f;
+    float const* k_scales = params.k_scale.head_ptr(batch, head_kv);
+    float const* v_scales = params.v_scale.head_ptr(batch, head_kv);
+    // 32-bit: a scale tensor has fewer than 2^31 blocks per head (registers are tight).
+    int const k_block_stride = int(params.k_scale.block_stride);
+    int const v_block_stride = int(params.v_scale.block_stride);
+    auto scale_block = [](int n_block) { return (n_block * kBlockN) / kScaleBlockK; };
+    float const qk_scale_log2 = params.softmax_scale_log2 * q_scale;
+
+    auto compute_scores = [&](auto& tSrS, int n_block) {
+      Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
+      return tSrS_rowcol;
+    };
+
+    int n_block = n_end - 1;
+    float k_scale = k_scales[scale_block(n_block) * k_block_stride];
+    float v_scale = v_scales[scale_block(n_block) * v_block_stride];  // O's current unit
+
+    barrier_q_full.wait(q_phase);
+
+    // First key tile: S only.
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+    pipeline_k.consumer_wait(read_k);
+    turns.wait_turn();
+    warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    turns.template pass_turn</*kFinalIssue=*/false>();
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+    ++read_k;
+    if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
+    {
+      Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
+      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, qk_scale_log2 * k_scale);
+    }
+    // P in e4m3, in the register order of the PV WGMMA's A operand.
+    Tensor tOrP = make_tensor<Element>(partition_shape_A(tiled_mma_pv, select<0, 2>(typename Traits::TileShapePV{})));
+    convert_p_to_operand_a(tSrS, tOrP);
+    clear(tOrO);
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (--n_block; n_block >= 0; --n_block) {
+      int const block = scale_block(n_block);
+      k_scale = k_scales[block * k_block_stride];
+      float const v_scale_next = v_scales[block * v_block_stride];
+      Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+      pipeline_k.consumer_wait(read_k);
+      pipeline_vt.consumer_wait(read_vt);
+      turns.wait_turn();
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
+      turns.template pass_turn</*kFinalIssue=*/false>();
+      warpgroup_wait<1>();  // S(j) has landed; O += P(j+1) V(j+1) may still run
+      pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+      ++read_k;
+      if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
+      Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
+      auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, qk_scale_log2 * k_scale);
+      // O accumulates in units of the V scale of the tile it will add next.
+      float const v_ratio = v_scale / v_scale_next;
+      v_scale = v_scale_next;
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { correction(mi) *= v_ratio; }
+      warpgroup_wait<0>();  // O += P V done: P's registers and the V^T stage are free
+      pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
+      ++read_vt;
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
+      }
+      convert_p_to_operand_a(tSrS_next, tOrP);
+    }
+
+    // Last key tile: O += P V only.
+    pipeline_vt.consumer_wait(read_vt);
+    turns.wait_turn();
+    warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
+    turns.template pass_turn</*kFinalIssue=*/true>();
+    warpgroup_wait<0>();
+    pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
+    ++read_vt;
+
+    return softmax.finalize(tOrO_rowcol, v_scale);
+  }
+};
+
+}  // namespace flash3

@@ -1,0 +1,112 @@
+// Tile shapes, shared-memory layouts and tiled MMAs of the FP8 (e4m3) forward kernel.
+// Output is bf16; both GEMMs are FP8 WGMMAs (QGMMA), whose operands must be K-major in
+// shared memory: Q and K are (head dim contiguous), V is not, so V lands in a raw buffer
+// and the producer warpgroup transposes it into V^T (fp8.h).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "fp8.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+// kBlockN divides kScaleBlockK (one K/V scale per key tile). Two consumer warpgroups
+// (kBlockM = 128, one Q scale block each). Shared memory: Q + kStages * (K + V + V^T),
+//   hdim  64:  8 KB + 2 * 3 *  8 KB =  56 KB
+//   hdim 128: 16 KB + 2 * 3 * 16 KB = 112 KB
+//   hdim 256: 32 KB + 2 * 3 * 16 KB = 128 KB (64-key tiles)
+// Registers per consumer thread (of 240): O kHeadDim / 2, S kBlockN / 2 (two of them live
+// in the overlapped loop), P kBlockN / 8.
+// kBlockNOverride (0: default) picks another key tile for A/B runs (launch_fwd_fp8.h).
+// hdim 256 uses 64-key tiles: measured against 128 in one H200 run (FLASH3_FP8_BLOCK_N),
+// 1-4% faster on all 12 configs (753 vs 720 TFLOPs/s at 16k non-causal), and the 128-key
+// tile needs all 240 registers per consumer thread, which leaves the producer 24 and
+// spills in both roles.
+template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0>
+struct TileConfigFp8 {
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : (kHeadDim == 256 ? 64 : 128);
+  static constexpr int kStages = 2;
+  static constexpr bool kPersistent = !kIsCausal && kHeadDim <= 128;
+  static constexpr bool kPingpong = true;
+};
+
+template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0>
+struct KernelTraitsFp8 {
+  using Element = cutlass::float_e4m3_t;
+  using ElementOut = cutlass::bfloat16_t;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+
+  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride>;
+  static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kProducerThreads = cutlass::NumThreadsPerWarpGroup;
+
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr bool kPersistent = Config::kPersistent;
+  static constexpr bool kPingpong = Config::kPingpong;
+  static_assert(kScaleBlockK % kBlockN == 0, "a key tile must lie within one K/V scale block");
+  static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
+
+  // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
+  // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
+  // 16-bit kernels' 24 + 2 * 240 = 64512 (barriers.h) works. The producer warpgroup's V
+  // transpose spills at 24 registers, so up to hdim 128 (O and S need <= 208 per consumer
+  // thread) it gets 32 and the consumers 232: 32 * 128 + 232 * 256 = 63488. At hdim 256 the
+  // consumers need all of 240 with 128-key tiles (and then spill a little, both roles);
+  // with 64-key tiles 232 suffice.
+  static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 64;
+  static constexpr int kProducerRegisters = kSmallConsumer ? 32 : 24;
+  static constexpr int kConsumerRegisters = kSmallConsumer ? 232 : 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 256 <= 64512, "register file over-subscribed");
+  static_assert(kConsumerWarpgroups == 2, "register budget is derived for two consumer warpgroups");
+
+  using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using AtomLayoutMNK = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  // P from registers (K-major by construction), V^T from shared memory, K-major.
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutMNK{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V as TMA writes it: (keys, head dim, stage), head dim contiguous.
+  using SmemLayoutV = SmemLayoutK;
+  // V^T as the PV WGMMA reads it: (head dim, keys, stage), keys contiguous.
+  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
+  using SmemLayoutVt = decltype(tile_to_shape(SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  using Transpose = TransposeV<SmemLayoutV, SmemLayoutVt, kBlockN, kHeadDim, kProducerThreads>;
+
+  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStages>;  // TMA -> transposer
+  using PipelineVt = cutlass::PipelineAsync<kStages>;    // transposer -> consumers
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim;
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim;
+};
+
+}  // namespace flash3
