@@ -148,7 +148,7 @@ def test_quantize_kernel_strided_input():
     assert (x8.view(torch.uint8) == x8_ref.view(torch.uint8)).float().mean() > 0.99
 
 
-def _check_kernel(t, causal, out, lse, softmax_scale=None):
+def _check_kernel(t, causal, out, lse, softmax_scale=None, lse_rtol=1e-4):
     exact = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=False)
     emul = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=True)
     assert out.dtype == torch.bfloat16
@@ -169,7 +169,7 @@ def _check_kernel(t, causal, out, lse, softmax_scale=None):
     _, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite)
-    torch.testing.assert_close(lse[finite].double(), lse_ref[finite].double(), atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(lse[finite].double(), lse_ref[finite].double(), atol=2e-3, rtol=lse_rtol)
 
 
 SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
@@ -207,7 +207,13 @@ def test_fp8_kernel_gqa_and_varying_scales(request, d):
     for causal in (False, True):
         if fp8.is_supported(d, causal):
             out, lse = fp8.attention_fp8(*t, causal=causal, return_lse=True, softmax_scale=0.5 / math.sqrt(d))
-            _check_kernel(t, causal, out, lse, softmax_scale=0.5 / math.sqrt(d))
+            # Key blocks scaled by up to 100 give scores of several hundred, and FP8 WGMMA
+            # accumulates its products with fewer mantissa bits than float32 (about 13-14
+            # retained), so the lse (the row maximum plus a log-sum) carries a relative error
+            # that grows with the head dim: measured on the H200 up to 4.6e-4 / 5.8e-4 /
+            # 8.8e-4 at hdim 64 / 128 / 256 (non-causal; the output met its emulation bound
+            # in that run), against the 1e-4 the other tests hold.
+            _check_kernel(t, causal, out, lse, softmax_scale=0.5 / math.sqrt(d), lse_rtol=2e-3)
 
 
 @gpu
