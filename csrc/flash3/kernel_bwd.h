@@ -55,8 +55,16 @@ struct FlashBwdKernel {
   static dim3 grid(BwdParams const& p) {
     // Key tile fastest: the key tiles of one head run side by side and share its Q and dO
     // through L2; under the causal mask tile 0 sees every query tile, so the longest go
-    // first. Deterministic dQ also relies on tile n - 1 starting before tile n.
+    // first (deterministic mode reverses the order, see n_block_of()).
     return dim3((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.nheads, p.batch);
+  }
+
+  // Deterministic dQ adds the key tiles' parts of a query tile in descending key-tile
+  // order (Mainloop::store_dq), so a key tile waits only for higher ones: they must start
+  // first, or a resident CTA could wait for one that cannot be scheduled.
+  CUTLASS_DEVICE static int n_block_of(Params const& params) {
+    bool const deterministic = params.mainloop.dq_semaphore != nullptr;
+    return deterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
@@ -65,7 +73,7 @@ struct FlashBwdKernel {
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
-    int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    int const n_block = n_block_of(params), head = blockIdx.y, batch = blockIdx.z;
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);

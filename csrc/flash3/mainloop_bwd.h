@@ -138,6 +138,18 @@ struct MainloopBwd {
   }
   CUTLASS_DEVICE static int m_block_end(Params const& params) { return (params.seqlen_q + kBlockM - 1) / kBlockM; }
 
+  // The last key tile that query tile m_block sees (the inverse of m_block_begin: tile n
+  // sees it iff n * kBlockN - (seqlen_k - seqlen_q) < (m_block + 1) * kBlockM); -1 if none.
+  CUTLASS_DEVICE static int n_block_last(Params const& params, int m_block) {
+    int const n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+    if constexpr (Mask::kIsCausal) {
+      int const rows_end = (m_block + 1) * kBlockM + (params.seqlen_k - params.seqlen_q);
+      return rows_end <= 0 ? -1 : min((rows_end - 1) / kBlockN, n_blocks - 1);
+    } else {
+      return n_blocks - 1;
+    }
+  }
+
   // Producer: one elected thread. K and V of the key tile once, then (Q, lse) and
   // (dO, dPsum) per query tile, each pair on its own pipeline so that S = Q K^T can start
   // before dO has landed.
@@ -373,10 +385,16 @@ struct MainloopBwd {
 
   // The dQ warp (one warp of the producer warpgroup): per query tile, waits for the
   // consumers' dQ in shared memory and adds it to the workspace tile with two bulk
-  // reductions issued by one lane. Deterministic mode takes turns per query tile in
-  // key-tile order: key tile n waits until tile n - 1's reductions have completed (the
-  // tiles that see a query tile are 0..n_max, and CTAs start in blockIdx order, so the one
-  // waited for is running or done), so the float32 sums happen in a fixed order.
+  // reductions issued by one lane. Deterministic mode takes turns per query tile so that
+  // the float32 sums happen in a fixed order: the key tiles that see query tile m are
+  // 0..n_last(m), and they add in descending order (n_last first), each waiting until the
+  // semaphore counts the tiles above it. Descending, because a key tile walks its query
+  // tiles upwards from the first that sees it: tile n + 1 starts at a later query tile
+  // and so reaches every shared one a step or more ahead of tile n, and under the causal
+  // mask nobody waits in the steady state. (Ascending order made every key tile trail
+  // tile 0, which sees all query tiles: causal backward ran 1.6x slower.) The grid
+  // launches higher key tiles first (kernel_bwd.h), so the one waited for is running or
+  // done.
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
     // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
     int const m_begin = m_block_begin(params, n_block);
@@ -398,8 +416,10 @@ struct MainloopBwd {
       if (lane == 0) {
         float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
         int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+        int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
         if (semaphore != nullptr) {
-          while (cuda_ld_acquire(semaphore) != n_block) {}
+          turn = n_block_last(params, m_block) - n_block;
+          while (cuda_ld_acquire(semaphore) != turn) {}
           // Order the acquire before the (async-proxy) reductions below.
           asm volatile("fence.proxy.async.global;" ::: "memory");
         }
@@ -413,7 +433,7 @@ struct MainloopBwd {
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
           asm volatile("fence.proxy.async.global;" ::: "memory");
           __threadfence();
-          cuda_st_release(semaphore, n_block + 1);
+          cuda_st_release(semaphore, turn + 1);
         } else {
           cute::tma_store_wait<0>();  // the reductions have read shared memory
         }
