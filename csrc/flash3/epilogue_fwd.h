@@ -1,12 +1,16 @@
 // The forward epilogue: the normalised O accumulator to global memory in the element
 // type, and the logsumexp per query row.
 //
-// O goes straight from registers: each thread stores pairs of adjacent columns
-// (4 bytes), rows past seqlen_q are skipped. A staged store through shared memory with
-// TMA would coalesce better; this path costs one pass over O per query tile.
+// Two paths. EpilogueFwd stores O straight from registers: each thread writes pairs of
+// adjacent columns (4 bytes), rows past seqlen_q are skipped; the FP8 kernel (bf16
+// output from an FP8 tile whose smem is too small to stage it) and tiles that see no key
+// use it. EpilogueFwdTma (the 16-bit kernels) stages O in shared memory with STSM and
+// stores it with TMA, 16 rows per warp, so each warp goes on as soon as its own rows are
+// out of its registers and the global writes are full 128-byte lines.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
 #include "params.h"
@@ -70,6 +74,110 @@ struct EpilogueFwd {
       // The four threads of a quad hold the same row; the first one writes its lse.
       if (thread_idx % 4 == 0) { lse_rows[row] = lse(mi); }
     }
+  }
+
+  template <class TensorLse>
+  CUTLASS_DEVICE static void store_lse(Params const& params, TensorLse const& lse, int thread_idx, int m_block,
+                                       int head, int batch) {
+    typename Traits::TiledMmaPV tiled_mma_pv;
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tOcO = thr_mma_pv.partition_C(cO);
+    Tensor tOcO_rowcol = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
+    float* lse_rows = params.lse_ptr + (int64_t(batch) * params.nheads + head) * params.seqlen_q;
+    int const row0 = m_block * kBlockM;
+    if (thread_idx % 4 != 0) { return; }  // the four threads of a quad hold the same rows
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tOcO_rowcol); ++mi) {
+      int const row = row0 + get<0>(tOcO_rowcol(mi, 0));
+      if (row < params.seqlen_q) { lse_rows[row] = lse(mi); }
+    }
+  }
+};
+
+// O through shared memory and TMA. The staging buffer has Q's shape and swizzled layout
+// (the kernel passes Q's own buffer, or a buffer of its own where shared memory allows),
+// and each warp touches only its own 16 rows of it: those rows of Q were read only by
+// its own warpgroup's Q K^T, which has completed, so no barrier across warps is needed.
+// A TMA box is 16 rows by one swizzle atom of columns (64 at 16-bit and 128-byte
+// swizzle), contiguous in shared memory; TMA skips rows past seqlen_q.
+template <class Traits>
+struct EpilogueFwdTma {
+  using Element = typename Traits::Element;
+  using Direct = EpilogueFwd<Traits>;  // the lse, and tiles that see no key
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kRowsPerWarp = 16;  // the rows of a 64-row WGMMA accumulator one warp holds
+  using SmemLayoutO = typename Traits::SmemLayoutQ;
+  using SmemAtomO = typename Traits::SmemAtomQ;
+  static constexpr int kAtomCols = decltype(size<1>(SmemAtomO{}))::value;
+  static_assert(kHeadDim % kAtomCols == 0);
+  using BoxShape = Shape<Int<kRowsPerWarp>, Int<kAtomCols>>;
+  using SmemLayoutBox = decltype(tile_to_shape(SmemAtomO{}, BoxShape{}));
+
+  using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
+  using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
+  static auto make_tma_store(Element* ptr, ShapeO const& shape, StrideO const& stride) {
+    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
+    return make_tma_copy(SM90_TMA_STORE{}, gmem, SmemLayoutBox{}, BoxShape{}, /*cluster_size=*/_1{});
+  }
+  using TmaO = decltype(make_tma_store(nullptr, ShapeO{}, StrideO{}));
+
+  struct Params {
+    typename Direct::Params direct;
+    TmaO tma_o;
+    ShapeO shape_o;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    ShapeO shape_o = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    StrideO stride_o = make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride);
+    return {Direct::to_params(p), make_tma_store(static_cast<Element*>(p.o_ptr), shape_o, stride_o), shape_o};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
+  }
+
+  // Before a warp writes its rows of the staging buffer again (or the buffer is handed
+  // back to Q, or the CTA exits): its earlier TMA stores have finished reading them. The
+  // bulk-async groups belong to the lane that committed them.
+  CUTLASS_DEVICE static void wait_staging_read() {
+    if (threadIdx.x % cutlass::NumThreadsPerWarp == 0) { cute::tma_store_wait<0>(); }
+    __syncwarp();
+  }
+
+  template <class TensorO, class TensorLse>
+  CUTLASS_DEVICE static void store(Params const& params, Element* smem_o, TensorO const& tOrO, TensorLse const& lse,
+                                   int thread_idx, int m_block, int head, int batch) {
+    typename Traits::TiledMmaPV tiled_mma_pv;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
+    // STSM: four 8x8 matrices per instruction from the accumulator's register layout.
+    auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
+    auto smem_thr_copy_o = smem_tiled_copy_o.get_thread_slice(thread_idx);
+    Tensor rO = make_tensor<Element>(tOrO.layout());
+    convert_into(tOrO, rO);
+    Tensor tOsO = smem_thr_copy_o.partition_D(sO);
+    copy(smem_tiled_copy_o, smem_thr_copy_o.retile_S(rO), tOsO);
+    // The rows were written through the generic proxy; TMA reads through the async proxy.
+    cutlass::arch::fence_view_async_shared();
+    __syncwarp();
+    if (thread_idx % cutlass::NumThreadsPerWarp == 0) {  // lane 0 issues and later waits (wait_staging_read)
+      int const warp = thread_idx / cutlass::NumThreadsPerWarp;
+      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, head, batch);  // (seqlen_q, d)
+      Tensor gO = local_tile(mO, BoxShape{}, make_coord(m_block * (kBlockM / kRowsPerWarp) + warp, _));  // (16, atom, d / atom)
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / kAtomCols; ++c) {
+        // Atom-aligned, so the swizzle leaves this offset as it is.
+        Element* box = smem_o + SmemLayoutO{}(warp * kRowsPerWarp, c * kAtomCols);
+        Tensor sBox = make_tensor(make_smem_ptr(box), SmemLayoutBox{});
+        auto [tBgO, tBsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox),
+                                          group_modes<0, 2>(gO));  // (TMA, d / atom), (TMA)
+        copy(params.tma_o, tBsO, tBgO(_, c));
+      }
+      cute::tma_store_arrive();
+    }
+    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
   }
 };
 

@@ -26,7 +26,8 @@ struct FlashFwdKernel {
   using Traits = Traits_;
   using Mask = Mask_;
   using Mainloop = MainloopFwd<Traits, Mask>;
-  using Epilogue = EpilogueFwd<Traits>;
+  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits>, EpilogueFwd<Traits>>;
+  using Element = typename Traits::Element;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment
   // (see scheduler.h and traits.h).
@@ -38,10 +39,17 @@ struct FlashFwdKernel {
 
   static constexpr int kThreads = Traits::kThreads;
 
+  struct NoStorage {};
   struct SharedStorage {
     typename Mainloop::SharedStorage mainloop;
-    // Q is loaded once per tile: full when its TMA bytes have landed, empty when both
-    // consumer warpgroups have issued (and finished) their last Q K^T of the tile.
+    // O's staging buffer, where it is not Q's (traits.h).
+    std::conditional_t<Traits::kSmemOSeparate,
+                       cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024>, NoStorage>
+        smem_o;
+    // Q is loaded once per tile: full when its TMA bytes have landed, empty when all
+    // consumer warpgroups have finished their last Q K^T of the tile (every consumer
+    // thread arrives), or, where O is staged in Q's buffer, when every consumer warp's
+    // TMA store of O has read its rows (one arrival per warp).
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full;
     alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;
     alignas(16) typename PipelineK::SharedStorage pipeline_k;
@@ -61,6 +69,10 @@ struct FlashFwdKernel {
     return {Mainloop::to_params(p), Epilogue::to_params(p), Scheduler::to_params(num_m_blocks, p.nheads, p.batch)};
   }
 
+  CUTLASS_DEVICE static Element* smem_o_of(SharedStorage& storage) {
+    if constexpr (Traits::kSmemOSeparate) { return storage.smem_o.data(); } else { return nullptr; }
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -71,7 +83,10 @@ struct FlashFwdKernel {
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.barrier_q_full.init(/*arrive_count=*/1);
-      storage.barrier_q_empty.init(/*arrive_count=*/Traits::kConsumerThreads);
+      storage.barrier_q_empty.init(/*arrive_count=*/Traits::kReleaseQAfterEpilogue
+                                       ? Traits::kConsumerThreads / cutlass::NumThreadsPerWarp
+                                       : Traits::kConsumerThreads);
+      if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
     }
 
     // The producer warp's elected thread arrives with the transaction bytes; every
@@ -120,8 +135,26 @@ struct FlashFwdKernel {
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
                                  q_phase, pipeline_k, pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
         if (has_keys) { q_phase ^= 1; }
-        Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+        if constexpr (Traits::kTmaStoreO) {
+          if (has_keys) {
+            Element* staging = Traits::kSmemOSeparate ? smem_o_of(storage) : storage.mainloop.smem_q.data();
+            if constexpr (Traits::kSmemOSeparate) { Epilogue::wait_staging_read(); }  // LOCK sO (this warp's rows)
+            Epilogue::store(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+            if constexpr (Traits::kReleaseQAfterEpilogue) {
+              Epilogue::wait_staging_read();
+              if (thread_idx % cutlass::NumThreadsPerWarp == 0) { storage.barrier_q_empty.arrive(); }  // UNLOCK sQ: O has left it
+            }
+          } else {
+            // No key, no Q: the producer skipped this tile, so sQ may already hold the
+            // next tile's Q. The zeros go straight from registers.
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+          }
+        } else {
+          Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+        }
       }
+      // TMA stores read shared memory asynchronously; it must outlive them.
+      if constexpr (Traits::kTmaStoreO) { Epilogue::wait_staging_read(); }
     }
   }
 };

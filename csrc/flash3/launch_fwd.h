@@ -11,9 +11,10 @@
 
 namespace flash3 {
 
-template <class Element, int kHeadDim, class Mask>
-cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal>, Mask>;
+// One tile configuration of the kernel for (element, head dim, mask).
+template <class Element, int kHeadDim, class Mask, bool kShortSeq>
+cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
+  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal, kShortSeq>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   auto* kernel = &flash_fwd_kernel<Kernel>;
@@ -26,8 +27,24 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The kernel for (element, head dim, mask): the short-sequence tile where one exists and
+// the query is short enough (traits.h), the general one otherwise.
+template <class Element, int kHeadDim, class Mask>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+  if constexpr (kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
+    if (params.seqlen_q <= kShortSeqMaxSeqlenQ) { return launch_fwd_tiles<Element, kHeadDim, Mask, true>(params, stream); }
+  }
+  return launch_fwd_tiles<Element, kHeadDim, Mask, false>(params, stream);
+}
+
 }  // namespace flash3
 
-// One explicit instantiation per translation unit (csrc/instantiations/).
-#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK) \
+// One explicit instantiation per translation unit (csrc/instantiations/): the general
+// tile here; the short-sequence tile, where there is one, in a file of its own
+// (FLASH3_INSTANTIATE_FWD_SHORT_SEQ), so the two compile in parallel.
+#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK)                                                          \
+  extern template cudaError_t flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, true>(flash3::FwdParams const&, \
+                                                                                         cudaStream_t);    \
   template cudaError_t flash3::run_fwd<ELEMENT, HDIM, flash3::MASK>(flash3::FwdParams const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD_SHORT_SEQ(ELEMENT, HDIM, MASK) \
+  template cudaError_t flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, true>(flash3::FwdParams const&, cudaStream_t);

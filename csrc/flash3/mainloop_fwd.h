@@ -246,7 +246,8 @@ struct MainloopFwd {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_k);  // UNLOCK K stage
     ++read_k;
-    if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ: that was the last Q K^T
+    // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
+    if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
       softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol);
@@ -269,7 +270,8 @@ struct MainloopFwd {
       warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
       pipeline_k.consumer_release(read_k);  // UNLOCK K stage
       ++read_k;
-      if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ: that was the last Q K^T
+      // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
+      if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
       auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free

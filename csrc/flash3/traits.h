@@ -25,44 +25,77 @@ using namespace cute;
 // Measured on the H200 against free issue, same run: +2% at hdim 64, +3-5% at hdim 192,
 // +1-2% at hdim 256, +1-4% for hdim 128 causal, within 1.5% at hdim 96; but 1-7% slower
 // for hdim 128 non-causal (128x176 tiles), where it is off.
+// kTmaStoreO: O leaves through shared memory and TMA stores (epilogue_fwd.h) rather than
+// straight from registers: +1..+21% where a tile is one CTA's whole work (causal, hdim
+// 192/256; most at 512 tokens), no gain where it costs registers or Q's early release.
 //   hdim  WGs  kBlockM  kBlockN          persistent  smem: Q + 2 stages of K and V
 //    64    3     192   128 / 112 causal   non-causal  24 KB + 64 KB   (softmax-bound: two
 //                                                     warpgroups in softmax while one runs
 //                                                     GEMMs; causal spills 32 B at 128)
+//    64    2     128      128 (causal, seqlen_q <= 1024: kShortSeq)
 //    96    2     128      128             non-causal  24 KB + 96 KB
 //   128    2     128   176 / 128 causal   non-causal  32 KB + 176 KB  (causal: finer diagonal)
 //   192    2     128      112             no          48 KB + 168 KB
 //   256    2     128       80             no          64 KB + 160 KB
+// Knobs for A/B builds only (nvcc -D...): the defaults are the measured choices.
+#ifndef FLASH3_FWD_HDIM128_BLOCK_N
+#define FLASH3_FWD_HDIM128_BLOCK_N 176
+#endif
+#ifndef FLASH3_FWD_HDIM128_PERSISTENT
+#define FLASH3_FWD_HDIM128_PERSISTENT 1
+#endif
+
+// kShortSeq: a second tile for short causal sequences, picked at launch by seqlen_q
+// (launch_fwd.h), where one exists (kHasShortSeqTile). At hdim 64 the 192-row tile that
+// suits long sequences (three warpgroups, softmax-bound) wastes much of a short causal
+// problem on the diagonal and on its last partial tile: at 512-1k tokens the 128-row,
+// two-warpgroup tile is 13% faster; from 2k it is 1-9% slower (A/B, H200).
 template <int kHeadDim, bool kIsCausal>
+constexpr bool kHasShortSeqTile = kHeadDim == 64 && kIsCausal;
+constexpr int kShortSeqMaxSeqlenQ = 1024;
+
+template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
-template <bool kIsCausal> struct TileConfig<64, kIsCausal> {
-  static constexpr int kConsumerWarpgroups = 3, kBlockN = kIsCausal ? 112 : 128, kStages = 2;
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {
+  static constexpr bool kTwoWarpgroups = kIsCausal && kShortSeq;
+  static constexpr int kConsumerWarpgroups = kTwoWarpgroups ? 2 : 3;
+  static constexpr int kBlockN = kTwoWarpgroups ? 128 : kIsCausal ? 112 : 128, kStages = 2;
   static constexpr bool kPersistent = !kIsCausal, kPingpong = true;
+  // The persistent loop with 160 registers per consumer spills 20-28 B with the TMA store.
+  static constexpr bool kTmaStoreO = kIsCausal;
 };
-template <bool kIsCausal> struct TileConfig<96, kIsCausal> {
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2;
   static constexpr bool kPersistent = !kIsCausal, kPingpong = true;
+  static constexpr bool kTmaStoreO = true;
 };
-template <bool kIsCausal> struct TileConfig<128, kIsCausal> {
-  static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : 176, kStages = 2;
-  static constexpr bool kPersistent = !kIsCausal, kPingpong = kIsCausal;
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<128, kIsCausal, kShortSeq> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : FLASH3_FWD_HDIM128_BLOCK_N, kStages = 2;
+  static constexpr bool kPersistent = !kIsCausal && FLASH3_FWD_HDIM128_PERSISTENT, kPingpong = kIsCausal;
+  // Non-causal: the persistent 128x176 tile has no shared memory left to stage O apart
+  // from Q, and staging it in Q's buffer holds back the next tile's Q (-2..-11%). The
+  // tiles that do leave room (x144, x160) with the TMA store were within +-4% of this
+  // one with direct stores (A/B, H200), so it stays on direct stores.
+  static constexpr bool kTmaStoreO = kIsCausal;
 };
-template <bool kIsCausal> struct TileConfig<192, kIsCausal> {
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = 112, kStages = 2;
   static constexpr bool kPersistent = false, kPingpong = true;
+  static constexpr bool kTmaStoreO = true;
 };
-template <bool kIsCausal> struct TileConfig<256, kIsCausal> {
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = 80, kStages = 2;
   static constexpr bool kPersistent = false, kPingpong = true;
+  static constexpr bool kTmaStoreO = true;
 };
 
-template <class Element_, int kHeadDim_, bool kIsCausal_>
+template <class Element_, int kHeadDim_, bool kIsCausal_, bool kShortSeq_ = false>
 struct KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  using Config = TileConfig<kHeadDim, kIsCausal_>;
+  using Config = TileConfig<kHeadDim, kIsCausal_, kShortSeq_>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kProducerWarpgroups = 1;
   static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
@@ -115,6 +148,22 @@ struct KernelTraits {
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA, unless
+  // built with FLASH3_FWD_O_FROM_REGISTERS (the A/B experiment against direct stores).
+  // The staging buffer has Q's size. A kernel with one tile per CTA reuses Q's buffer,
+  // which is free once the last Q K^T is done. A persistent one would then have to hold
+  // the next tile's Q load until O has left, so it gets a buffer of its own where shared
+  // memory allows (hdim 64, 96); where it does not (hdim 128), O goes through Q's buffer
+  // and Q is handed back to the producer only after the TMA store has read it.
+#ifdef FLASH3_FWD_O_FROM_REGISTERS
+  static constexpr bool kTmaStoreO = false;
+#else
+  static constexpr bool kTmaStoreO = Config::kTmaStoreO;
+#endif
+  static constexpr bool kSmemOSeparate =
+      kTmaStoreO && kPersistent && 2 * kBytesQ + 2 * kStages * kBytesKV + 1024 <= 227 * 1024;
+  static constexpr bool kReleaseQAfterEpilogue = kTmaStoreO && !kSmemOSeparate;
 };
 
 }  // namespace flash3
