@@ -14,7 +14,6 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -55,19 +54,11 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
                                        double softmax_scale, bool causal, bool /*deterministic*/) {
   check_qkv(q, k, v, softmax_scale);
   flash3::DType const dtype = to_dtype(q.scalar_type());
-  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
-  int64_t const seqlen_k = k.size(1);
+  int64_t const headdim = q.size(3);
 
   c10::cuda::CUDAGuard const device_guard(q.device());
-  auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options());
-  auto lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
-  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return {out, lse}; }
-  if (seqlen_k == 0) {
-    // No keys: softmax over an empty set. The output is 0 and the logsumexp -inf.
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  at::Tensor out, lse;
+  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
 
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = tma_ready(q);
@@ -75,9 +66,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   at::Tensor const v_tma = tma_ready(v);
 
   flash3::FwdParams params;
-  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, softmax_scale, info.num_sms);
-  params.o_ptr = out.data_ptr();
-  params.lse_ptr = lse.data_ptr<float>();
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
@@ -149,25 +138,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   at::Tensor dv_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dv;
 
   flash3::BwdParams params;
-  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, softmax_scale, info.num_sms);
-  params.o_ptr = out_c.data_ptr();
-  params.lse_ptr = lse_c.data_ptr<float>();
-  params.do_ptr = do_tma.data_ptr();
-  params.do_batch_stride = do_tma.stride(0);
-  params.do_row_stride = do_tma.stride(1);
-  params.do_head_stride = do_tma.stride(2);
-  params.dq_ptr = dq.data_ptr();
-  params.dq_batch_stride = dq.stride(0);
-  params.dq_row_stride = dq.stride(1);
-  params.dq_head_stride = dq.stride(2);
-  params.dk_ptr = dk_heads.data_ptr();
-  params.dk_batch_stride = dk_heads.stride(0);
-  params.dk_row_stride = dk_heads.stride(1);
-  params.dk_head_stride = dk_heads.stride(2);
-  params.dv_ptr = dv_heads.data_ptr();
-  params.dv_batch_stride = dv_heads.stride(0);
-  params.dv_row_stride = dv_heads.stride(1);
-  params.dv_head_stride = dv_heads.stride(2);
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info.num_sms);
+  using flash3::api::set_tensor;
+  set_tensor(params.do_ptr, params.do_batch_stride, params.do_row_stride, params.do_head_stride, do_tma);
+  set_tensor(params.dq_ptr, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, dq);
+  set_tensor(params.dk_ptr, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, dk_heads);
+  set_tensor(params.dv_ptr, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, dv_heads);
   params.dkv_is_fp32 = gqa;
   params.dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
   params.lse_log2_ptr = lse_log2.data_ptr<float>();

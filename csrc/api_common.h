@@ -1,6 +1,6 @@
 // What the two torch bindings (api.cpp for bf16/fp16, api_fp8.cpp for e4m3) check and
-// fill alike: the q, k, v tensor checks, the Hopper device check and the FwdParams sizes,
-// strides and scales. The dtype checks differ per binding and stay there.
+// fill alike: the q, k, v tensor checks, the Hopper device check, the forward's outputs
+// for empty problems and the FwdParams fields. The dtype checks differ per binding and stay there.
 //
 // Functions are inline in a named namespace, so both translation units share one device
 // property cache.
@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -87,25 +88,45 @@ inline void check_qkv_shapes(at::Tensor const& q, at::Tensor const& k, at::Tenso
   TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
 }
 
-// The q, k, v pointers and every size, stride and scale of FwdParams, from the
-// (TMA-readable) q, k, v and the output; the o and lse pointers are the caller's.
+// The forward's out (batch, seqlen_q, nheads, headdim) in out_dtype and lse (batch,
+// nheads, seqlen_q) float32, allocated on q's device (the caller holds its device guard).
+// Returns true when no kernel is needed and they already hold the answer: with no query
+// rows there is nothing to write; with no keys the softmax is over an empty set, so the
+// output is 0 and the logsumexp -inf.
+inline bool alloc_fwd_outputs(at::Tensor const& q, at::Tensor const& k, at::ScalarType out_dtype, at::Tensor& out,
+                              at::Tensor& lse) {
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(out_dtype));
+  lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return true; }
+  if (k.size(1) == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return true;
+  }
+  return false;
+}
+
+// A (batch, seqlen, heads, headdim) tensor as the kernels' params hold it: the data
+// pointer and the batch, row and head strides in elements (the last dimension is
+// contiguous).
+template <class Ptr>
+void set_tensor(Ptr& ptr, int64_t& batch_stride, int64_t& row_stride, int64_t& head_stride, at::Tensor const& t) {
+  ptr = t.data_ptr();
+  batch_stride = t.stride(0);
+  row_stride = t.stride(1);
+  head_stride = t.stride(2);
+}
+
+// Every field of FwdParams, from the (TMA-readable) q, k, v, the output and its
+// logsumexp (float32, contiguous).
 inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                            at::Tensor const& out, double softmax_scale, int num_sms) {
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
-  params.q_batch_stride = q.stride(0);
-  params.q_row_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
-  params.k_batch_stride = k.stride(0);
-  params.k_row_stride = k.stride(1);
-  params.k_head_stride = k.stride(2);
-  params.v_batch_stride = v.stride(0);
-  params.v_row_stride = v.stride(1);
-  params.v_head_stride = v.stride(2);
-  params.o_batch_stride = out.stride(0);
-  params.o_row_stride = out.stride(1);
-  params.o_head_stride = out.stride(2);
+                            at::Tensor const& out, at::Tensor const& lse, double softmax_scale, int num_sms) {
+  set_tensor(params.q_ptr, params.q_batch_stride, params.q_row_stride, params.q_head_stride, q);
+  set_tensor(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride, k);
+  set_tensor(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, v);
+  set_tensor(params.o_ptr, params.o_batch_stride, params.o_row_stride, params.o_head_stride, out);
+  params.lse_ptr = lse.data_ptr<float>();
   params.batch = static_cast<int>(q.size(0));
   params.seqlen_q = static_cast<int>(q.size(1));
   params.seqlen_k = static_cast<int>(k.size(1));

@@ -18,7 +18,6 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -71,22 +70,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale = block_scales(v_scale, "v_scale", batch, nheads_k, k_blocks, q.device());
 
   c10::cuda::CUDAGuard const device_guard(q.device());
-  auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(at::kBFloat16));
-  auto lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
-  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return {out, lse}; }
-  if (seqlen_k == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  at::Tensor out, lse;
+  if (flash3::api::alloc_fwd_outputs(q, k, at::kBFloat16, out, lse)) { return {out, lse}; }
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = aligned16(q);
   at::Tensor const k_tma = aligned16(k);
   at::Tensor const v_tma = aligned16(v);
 
-  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, softmax_scale, info.num_sms);
-  params.base.o_ptr = out.data_ptr();
-  params.base.lse_ptr = lse.data_ptr<float>();
+  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
 
   cudaError_t status = cudaSuccess;
   bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,
@@ -120,14 +111,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::option
     signs_f = signs->to(x.device(), at::kFloat).contiguous();
   }
   flash3::QuantizeParams p;
-  p.in_ptr = in.data_ptr();
-  p.in_batch_stride = in.stride(0);
-  p.in_row_stride = in.stride(1);
-  p.in_head_stride = in.stride(2);
-  p.out_ptr = out.data_ptr();
-  p.out_batch_stride = out.stride(0);
-  p.out_row_stride = out.stride(1);
-  p.out_head_stride = out.stride(2);
+  flash3::api::set_tensor(p.in_ptr, p.in_batch_stride, p.in_row_stride, p.in_head_stride, in);
+  flash3::api::set_tensor(p.out_ptr, p.out_batch_stride, p.out_row_stride, p.out_head_stride, out);
   p.scale_ptr = scale.data_ptr<float>();
   p.signs_ptr = signs.has_value() ? signs_f.data_ptr<float>() : nullptr;
   p.batch = static_cast<int>(batch);
