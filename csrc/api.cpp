@@ -1,5 +1,6 @@
-// The torch binding: tensor checks, FwdParams filling, op registration with the PyTorch
-// dispatcher, and the pybind11 module that carries build information.
+// The torch binding: tensor checks, FwdParams filling (the parts shared with the FP8
+// binding are in api_common.h), op registration with the PyTorch dispatcher, and the
+// pybind11 module that carries build information.
 //
 // The Python layer (flash3/interface.py) validates arguments first and raises
 // TypeError/ValueError with the supported values; the checks here are the last line of
@@ -13,49 +14,14 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "api_common.h"
 #include "flash3/dispatch.h"
 #include "flash3/params.h"
 
 namespace {
-
-#define FLASH3_CUDA_CHECK(expr)                                                                      \
-  do {                                                                                               \
-    cudaError_t const status_ = (expr);                                                              \
-    TORCH_CHECK(status_ == cudaSuccess, "flash3: ", #expr, " failed: ", cudaGetErrorString(status_)); \
-  } while (0)
-
-struct DeviceInfo {
-  int major = 0;
-  int minor = 0;
-  int num_sms = 0;
-};
-
-// Device properties are queried once per device: cudaGetDeviceProperties is slow enough
-// to show on short sequences.
-DeviceInfo const& device_info(int device) {
-  static std::mutex mutex;
-  static std::vector<DeviceInfo> cache;
-  static std::vector<bool> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(cache.size())) {
-    cache.resize(device + 1);
-    known.resize(device + 1, false);
-  }
-  if (!known[device]) {
-    DeviceInfo info;
-    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
-    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
-    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
-    cache[device] = info;
-    known[device] = true;
-  }
-  return cache[device];
-}
 
 flash3::DType to_dtype(at::ScalarType type) {
   TORCH_CHECK(type == at::kBFloat16 || type == at::kHalf,
@@ -74,59 +40,13 @@ at::Tensor tma_ready(at::Tensor const& t) {
   return ok ? t : t.contiguous();
 }
 
+// The bf16/fp16 half of the checks; api_common.h holds those the FP8 binding shares.
 void check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
+  flash3::api::check_qkv_device(q, k, v);
   to_dtype(q.scalar_type());  // raises for an unsupported dtype
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "flash3: q, k, v must have one dtype");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flash3: q, k, v must be 4-D (batch, seqlen, nheads, headdim)");
-  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
-  int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash3: k and v must have the same shape");
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == headdim, "flash3: k must be (batch, seqlen_k, nheads_k, ",
-              headdim, ") with batch ", batch);
-  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash3: nheads (", nheads,
-              ") must be a multiple of nheads_k (", nheads_k, ")");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "flash3: softmax_scale must be positive and finite");
-  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
-}
-
-DeviceInfo const& hopper_info(at::Tensor const& q) {
-  DeviceInfo const& info = device_info(q.get_device());
-  TORCH_CHECK(info.major == 9 && info.minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", info.major,
-              info.minor);
-  return info;
-}
-
-// The sizes, strides and scales shared by both passes; pointers are the caller's.
-void fill_common(flash3::FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                 at::Tensor const& out, double softmax_scale, int num_sms) {
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
-  params.q_batch_stride = q.stride(0);
-  params.q_row_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
-  params.k_batch_stride = k.stride(0);
-  params.k_row_stride = k.stride(1);
-  params.k_head_stride = k.stride(2);
-  params.v_batch_stride = v.stride(0);
-  params.v_row_stride = v.stride(1);
-  params.v_head_stride = v.stride(2);
-  params.o_batch_stride = out.stride(0);
-  params.o_row_stride = out.stride(1);
-  params.o_head_stride = out.stride(2);
-  params.batch = static_cast<int>(q.size(0));
-  params.seqlen_q = static_cast<int>(q.size(1));
-  params.seqlen_k = static_cast<int>(k.size(1));
-  params.nheads = static_cast<int>(q.size(2));
-  params.nheads_k = static_cast<int>(k.size(2));
-  params.headdim = static_cast<int>(q.size(3));
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.num_sms = num_sms;
+  flash3::api::check_qkv_shapes(q, k, v, softmax_scale);
 }
 
 // deterministic is the backward's (see bwd); the forward is deterministic either way.
@@ -134,29 +54,19 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
                                        double softmax_scale, bool causal, bool /*deterministic*/) {
   check_qkv(q, k, v, softmax_scale);
   flash3::DType const dtype = to_dtype(q.scalar_type());
-  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
-  int64_t const seqlen_k = k.size(1);
+  int64_t const headdim = q.size(3);
 
   c10::cuda::CUDAGuard const device_guard(q.device());
-  auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options());
-  auto lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
-  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return {out, lse}; }
-  if (seqlen_k == 0) {
-    // No keys: softmax over an empty set. The output is 0 and the logsumexp -inf.
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  at::Tensor out, lse;
+  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
 
-  DeviceInfo const& info = hopper_info(q);
+  flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = tma_ready(q);
   at::Tensor const k_tma = tma_ready(k);
   at::Tensor const v_tma = tma_ready(v);
 
   flash3::FwdParams params;
-  fill_common(params, q_tma, k_tma, v_tma, out, softmax_scale, info.num_sms);
-  params.o_ptr = out.data_ptr();
-  params.lse_ptr = lse.data_ptr<float>();
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
@@ -203,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
     return {dq, dk, dv};
   }
 
-  DeviceInfo const& info = hopper_info(q);
+  flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = tma_ready(q);
   at::Tensor const k_tma = tma_ready(k);
   at::Tensor const v_tma = tma_ready(v);
@@ -228,25 +138,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   at::Tensor dv_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dv;
 
   flash3::BwdParams params;
-  fill_common(params, q_tma, k_tma, v_tma, out_c, softmax_scale, info.num_sms);
-  params.o_ptr = out_c.data_ptr();
-  params.lse_ptr = lse_c.data_ptr<float>();
-  params.do_ptr = do_tma.data_ptr();
-  params.do_batch_stride = do_tma.stride(0);
-  params.do_row_stride = do_tma.stride(1);
-  params.do_head_stride = do_tma.stride(2);
-  params.dq_ptr = dq.data_ptr();
-  params.dq_batch_stride = dq.stride(0);
-  params.dq_row_stride = dq.stride(1);
-  params.dq_head_stride = dq.stride(2);
-  params.dk_ptr = dk_heads.data_ptr();
-  params.dk_batch_stride = dk_heads.stride(0);
-  params.dk_row_stride = dk_heads.stride(1);
-  params.dk_head_stride = dk_heads.stride(2);
-  params.dv_ptr = dv_heads.data_ptr();
-  params.dv_batch_stride = dv_heads.stride(0);
-  params.dv_row_stride = dv_heads.stride(1);
-  params.dv_head_stride = dv_heads.stride(2);
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info.num_sms);
+  using flash3::api::set_tensor;
+  set_tensor(params.do_ptr, params.do_batch_stride, params.do_row_stride, params.do_head_stride, do_tma);
+  set_tensor(params.dq_ptr, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, dq);
+  set_tensor(params.dk_ptr, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, dk_heads);
+  set_tensor(params.dv_ptr, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, dv_heads);
   params.dkv_is_fp32 = gqa;
   params.dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
   params.lse_log2_ptr = lse_log2.data_ptr<float>();

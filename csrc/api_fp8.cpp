@@ -18,38 +18,14 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <limits>
-#include <mutex>
-#include <utility>
 #include <tuple>
 #include <vector>
 
+#include "api_common.h"
 #include "flash3/dispatch_fp8.h"
 #include "flash3/params_fp8.h"
 
 namespace {
-
-struct DeviceProps {
-  int major = 0, minor = 0, num_sms = 0;
-};
-
-// Queried once per device (cudaDeviceGetAttribute is cheap, but not free at short
-// sequences).
-DeviceProps device_props(int device) {
-  static std::mutex mutex;
-  static std::vector<std::pair<int, DeviceProps>> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (auto const& entry : cache) {
-    if (entry.first == device) { return entry.second; }
-  }
-  DeviceProps p;
-  cudaDeviceGetAttribute(&p.major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&p.minor, cudaDevAttrComputeCapabilityMinor, device);
-  cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device);
-  cache.emplace_back(device, p);
-  return p;
-}
 
 // TMA and the quantiser's 16-byte accesses: last dim contiguous, other strides multiples
 // of 16 bytes, base 16-byte aligned; anything else is copied once.
@@ -78,23 +54,14 @@ flash3::BlockScales block_scales(at::Tensor const& s, char const* name, int64_t 
 std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                            at::Tensor const& q_scale, at::Tensor const& k_scale,
                                            at::Tensor const& v_scale, double softmax_scale, bool causal) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
+  flash3::api::check_qkv_device(q, k, v);
   TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && k.scalar_type() == at::kFloat8_e4m3fn &&
                   v.scalar_type() == at::kFloat8_e4m3fn,
               "flash3: fwd_fp8 takes torch.float8_e4m3fn q, k, v; got ", q.scalar_type(), ", ", k.scalar_type(),
               ", ", v.scalar_type());
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flash3: q, k, v must be 4-D (batch, seqlen, nheads, headdim)");
+  flash3::api::check_qkv_shapes(q, k, v, softmax_scale);
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
   int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash3: k and v must have the same shape");
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == headdim, "flash3: k must be (batch, seqlen_k, nheads_k, ",
-              headdim, ") with batch ", batch);
-  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash3: nheads (", nheads,
-              ") must be a multiple of nheads_k (", nheads_k, ")");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "flash3: softmax_scale must be positive and finite");
-  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
   int64_t const q_blocks = (seqlen_q + flash3::kScaleBlockQ - 1) / flash3::kScaleBlockQ;
   int64_t const k_blocks = (seqlen_k + flash3::kScaleBlockK - 1) / flash3::kScaleBlockK;
   flash3::FwdFp8Params params;
@@ -103,49 +70,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale = block_scales(v_scale, "v_scale", batch, nheads_k, k_blocks, q.device());
 
   c10::cuda::CUDAGuard const device_guard(q.device());
-  auto out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(at::kBFloat16));
-  auto lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
-  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return {out, lse}; }
-  if (seqlen_k == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
-  DeviceProps const props_value = device_props(q.get_device());
-  DeviceProps const* props = &props_value;
-  TORCH_CHECK(props->major == 9 && props->minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", props->major,
-              props->minor);
+  at::Tensor out, lse;
+  if (flash3::api::alloc_fwd_outputs(q, k, at::kBFloat16, out, lse)) { return {out, lse}; }
+  flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = aligned16(q);
   at::Tensor const k_tma = aligned16(k);
   at::Tensor const v_tma = aligned16(v);
 
-  flash3::FwdParams& p = params.base;
-  p.q_ptr = q_tma.data_ptr();
-  p.k_ptr = k_tma.data_ptr();
-  p.v_ptr = v_tma.data_ptr();
-  p.o_ptr = out.data_ptr();
-  p.lse_ptr = lse.data_ptr<float>();
-  p.q_batch_stride = q_tma.stride(0);
-  p.q_row_stride = q_tma.stride(1);
-  p.q_head_stride = q_tma.stride(2);
-  p.k_batch_stride = k_tma.stride(0);
-  p.k_row_stride = k_tma.stride(1);
-  p.k_head_stride = k_tma.stride(2);
-  p.v_batch_stride = v_tma.stride(0);
-  p.v_row_stride = v_tma.stride(1);
-  p.v_head_stride = v_tma.stride(2);
-  p.o_batch_stride = out.stride(0);
-  p.o_row_stride = out.stride(1);
-  p.o_head_stride = out.stride(2);
-  p.batch = static_cast<int>(batch);
-  p.seqlen_q = static_cast<int>(seqlen_q);
-  p.seqlen_k = static_cast<int>(seqlen_k);
-  p.nheads = static_cast<int>(nheads);
-  p.nheads_k = static_cast<int>(nheads_k);
-  p.headdim = static_cast<int>(headdim);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.num_sms = props->num_sms;
+  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
 
   cudaError_t status = cudaSuccess;
   bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,
@@ -179,14 +111,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::option
     signs_f = signs->to(x.device(), at::kFloat).contiguous();
   }
   flash3::QuantizeParams p;
-  p.in_ptr = in.data_ptr();
-  p.in_batch_stride = in.stride(0);
-  p.in_row_stride = in.stride(1);
-  p.in_head_stride = in.stride(2);
-  p.out_ptr = out.data_ptr();
-  p.out_batch_stride = out.stride(0);
-  p.out_row_stride = out.stride(1);
-  p.out_head_stride = out.stride(2);
+  flash3::api::set_tensor(p.in_ptr, p.in_batch_stride, p.in_row_stride, p.in_head_stride, in);
+  flash3::api::set_tensor(p.out_ptr, p.out_batch_stride, p.out_row_stride, p.out_head_stride, out);
   p.scale_ptr = scale.data_ptr<float>();
   p.signs_ptr = signs.has_value() ? signs_f.data_ptr<float>() : nullptr;
   p.batch = static_cast<int>(batch);

@@ -4,12 +4,9 @@
 # go to $OUT (the device tool brings them back). Usage:
 #   scripts/device_run.sh "<pytest args>" "<benchmark args>"
 set -uo pipefail
-OUT="${OUT:-/tmp/flash3-out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TEST_ARGS="${1:-}"
 BENCH_ARGS="${2:-}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 python3 -c "import torch, flash3; print(torch.__version__, torch.cuda.get_device_name(), flash3.build_info())" 2>&1 | tee -a "$OUT/gpu.txt"
 if [ "$TEST_ARGS" != "skip" ]; then
   timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests $TEST_ARGS 2>&1 | tee "$OUT/tests.log" | tail -25

@@ -4,12 +4,9 @@
 # _C*.so), tests/, benchmarks/, scripts/; results go to $OUT. Usage:
 #   scripts/device_run_fp8.sh "<pytest args>" "<bench args or skip>"
 set -uo pipefail
-OUT="${OUT:-/tmp/flash3-out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TEST_ARGS="${1:-}"
 BENCH_ARGS="${2:-}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 python3 -c "import torch, flash3; print(torch.__version__, torch.cuda.get_device_name(), flash3.fp8.built_kernels())" 2>&1 | tee -a "$OUT/gpu.txt"
 # Smoke test first: a hang (pipeline deadlock) or a fault shows here within seconds.
 timeout 40 python3 -c "

@@ -1,5 +1,8 @@
 """Test markers: `gpu` tests need a Hopper GPU (sm_90) and flash3's compiled kernels;
-they are skipped elsewhere (CI has no GPU), and run on the device with `make test-gpu`."""
+they are skipped elsewhere (CI has no GPU), and run on the device with `make test-gpu`.
+Fixtures: `seed`, a per-test seed for the random inputs."""
+import zlib
+
 import pytest
 import torch
 
@@ -19,3 +22,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed from the test id: every test draws its own inputs, the same on every run."""
+    return zlib.crc32(request.node.nodeid.encode())

@@ -6,7 +6,6 @@ of one unit in the last place of the output's dtype at the output's magnitude.
 Every check draws fresh random inputs and poisons the memory the output will occupy.
 """
 import math
-import zlib
 
 import pytest
 import torch
@@ -21,10 +20,6 @@ HDIMS = [64, 96, 128, 192, 256]
 # (seqlen_q, seqlen_k): single rows, tails that are not multiples of any tile,
 # seqlen_q != seqlen_k both ways, and a long square one.
 SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
-
-
-def _seed(request):
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def _make_qkv(seed, b, sq, sk, h, hk, d, dtype):
@@ -73,12 +68,12 @@ def _check_against_reference(q, k, v, causal, out, lse, scale=None):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_forward_matches_reference(request, dtype, d, causal, seqlens):
+def test_forward_matches_reference(seed, dtype, d, causal, seqlens):
     _skip_unless_built(dtype, d, causal)
     sq, sk = seqlens
     big = sq * sk > 1_000_000
     b, h = (1, 2) if big else (2, 3)
-    q, k, v = _make_qkv(_seed(request), b, sq, sk, h, h, d, dtype)
+    q, k, v = _make_qkv(seed, b, sq, sk, h, h, d, dtype)
     out, lse = _run(q, k, v, causal)
     _check_against_reference(q, k, v, causal, out, lse)
 
@@ -86,35 +81,35 @@ def test_forward_matches_reference(request, dtype, d, causal, seqlens):
 @pytest.mark.parametrize("hk", [1, 2], ids=["mqa", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_gqa_mqa(request, d, causal, hk):
+def test_gqa_mqa(seed, d, causal, hk):
     _skip_unless_built(torch.bfloat16, d, causal)
-    q, k, v = _make_qkv(_seed(request), 2, 300, 517, 6, hk, d, torch.bfloat16)
+    q, k, v = _make_qkv(seed, 2, 300, 517, 6, hk, d, torch.bfloat16)
     out, lse = _run(q, k, v, causal)
     _check_against_reference(q, k, v, causal, out, lse)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softmax_scale_is_honoured(request, causal):
+def test_softmax_scale_is_honoured(seed, causal):
     _skip_unless_built(torch.bfloat16, 128, causal)
-    q, k, v = _make_qkv(_seed(request), 2, 257, 385, 4, 4, 128, torch.bfloat16)
+    q, k, v = _make_qkv(seed, 2, 257, 385, 4, 4, 128, torch.bfloat16)
     out, lse = _run(q, k, v, causal, scale=0.3)
     _check_against_reference(q, k, v, causal, out, lse, scale=0.3)
 
 
-def test_strided_inputs_from_bhsd_views(request):
+def test_strided_inputs_from_bhsd_views(seed):
     """(batch, nheads, seqlen, headdim) tensors transposed to (b, s, h, d) are read in place."""
     _skip_unless_built(torch.bfloat16, 128, False)
-    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(2, 4, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
                for _ in range(3))
     out, lse = _run(q, k, v, False)
     _check_against_reference(q, k, v, False, out, lse)
 
 
-def test_unaligned_strides_are_copied(request):
+def test_unaligned_strides_are_copied(seed):
     """A head dim slice of a wider tensor has strides TMA cannot read: it is copied first."""
     _skip_unless_built(torch.bfloat16, 64, False)
-    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    g = torch.Generator(device="cuda").manual_seed(seed)
     wide = torch.randn(2, 200, 3, 3, 68, device="cuda", dtype=torch.bfloat16, generator=g)
     q, k, v = (wide[:, :, :, i, 1:65] for i in range(3))
     out, lse = _run(q, k, v, False)
@@ -122,9 +117,9 @@ def test_unaligned_strides_are_copied(request):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_repeated_runs_are_bitwise_identical(request, causal):
+def test_repeated_runs_are_bitwise_identical(seed, causal):
     _skip_unless_built(torch.bfloat16, 128, causal)
-    q, k, v = _make_qkv(_seed(request), 2, 1000, 1000, 4, 4, 128, torch.bfloat16)
+    q, k, v = _make_qkv(seed, 2, 1000, 1000, 4, 4, 128, torch.bfloat16)
     first = flash3.attention(q, k, v, causal=causal, return_lse=True)
     for _ in range(3):
         again = flash3.attention(q, k, v, causal=causal, return_lse=True)
@@ -141,18 +136,18 @@ def test_empty_sequences(sq, sk):
         assert torch.all(out == 0) and torch.all(lse == -math.inf)
 
 
-def test_torch_compile_fullgraph(request):
+def test_torch_compile_fullgraph(seed):
     _skip_unless_built(torch.bfloat16, 128, True)
-    q, k, v = _make_qkv(_seed(request), 2, 300, 300, 4, 4, 128, torch.bfloat16)
+    q, k, v = _make_qkv(seed, 2, 300, 300, 4, 4, 128, torch.bfloat16)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: flash3.attention(q, k, v, causal=True) * 2, fullgraph=True)
     out = compiled(q, k, v)
     assert torch.equal(out, flash3.attention(q, k, v, causal=True) * 2)
 
 
-def test_opcheck(request):
+def test_opcheck(seed):
     _skip_unless_built(torch.bfloat16, 128, False)
-    q, k, v = _make_qkv(_seed(request), 2, 130, 250, 4, 2, 128, torch.bfloat16)
+    q, k, v = _make_qkv(seed, 2, 130, 250, 4, 2, 128, torch.bfloat16)
     torch.library.opcheck(torch.ops.flash3.fwd.default, (q, k, v, 0.125, False))
 
 

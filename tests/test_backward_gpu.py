@@ -11,7 +11,6 @@ P = 1 and dP = rowsum(dO * O) exactly) the kernel returns their rounding residue
 Every check draws fresh random inputs (and a random dout); gradient buffers are poisoned
 before the run, so an element the kernels fail to write reads NaN.
 """
-import zlib
 
 import pytest
 import torch
@@ -24,10 +23,6 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
 HDIMS = [64, 96, 128, 192, 256]
 SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2177, 2177)]
-
-
-def _seed(request):
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def _skip_unless_built(dtype, d, causal):
@@ -97,11 +92,11 @@ def _check_grads(q, k, v, dout, causal, grads, scale=None, with_lse=False):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_backward_matches_reference(request, dtype, d, causal, seqlens):
+def test_backward_matches_reference(seed, dtype, d, causal, seqlens):
     _skip_unless_built(dtype, d, causal)
     sq, sk = seqlens
     b, h = (1, 2) if sq * sk > 1_000_000 else (2, 3)
-    q, k, v, dout = _inputs(_seed(request), b, sq, sk, h, h, d, dtype)
+    q, k, v, dout = _inputs(seed, b, sq, sk, h, h, d, dtype)
     _, *grads = _flash3_grads(q, k, v, dout, causal)
     _check_grads(q, k, v, dout, causal, grads)
 
@@ -109,18 +104,18 @@ def test_backward_matches_reference(request, dtype, d, causal, seqlens):
 @pytest.mark.parametrize("hk", [1, 2], ids=["mqa", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_gqa(request, d, causal, hk):
+def test_backward_gqa(seed, d, causal, hk):
     _skip_unless_built(torch.bfloat16, d, causal)
-    q, k, v, dout = _inputs(_seed(request), 2, 377, 519, 6, hk, d, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 377, 519, 6, hk, d, torch.bfloat16)
     _, *grads = _flash3_grads(q, k, v, dout, causal)
     _check_grads(q, k, v, dout, causal, grads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
-def test_backward_deterministic_is_bitwise_repeatable(request, d, causal):
+def test_backward_deterministic_is_bitwise_repeatable(seed, d, causal):
     _skip_unless_built(torch.bfloat16, d, causal)
-    q, k, v, dout = _inputs(_seed(request), 2, 1500, 1100, 4, 2, d, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 1500, 1100, 4, 2, d, torch.bfloat16)
     _, *first = _flash3_grads(q, k, v, dout, causal, deterministic=True)
     _check_grads(q, k, v, dout, causal, first)
     for _ in range(3):
@@ -129,36 +124,36 @@ def test_backward_deterministic_is_bitwise_repeatable(request, d, causal):
             assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
 
-def test_backward_through_lse(request):
+def test_backward_through_lse(seed):
     _skip_unless_built(torch.bfloat16, 128, True)
-    q, k, v, dout = _inputs(_seed(request), 2, 300, 257, 4, 4, 128, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 300, 257, 4, 4, 128, torch.bfloat16)
     _, *grads = _flash3_grads(q, k, v, dout, True, with_lse=True)
     _check_grads(q, k, v, dout, True, grads, with_lse=True)
 
 
-def test_backward_custom_scale_and_strided_dout(request):
+def test_backward_custom_scale_and_strided_dout(seed):
     _skip_unless_built(torch.bfloat16, 128, False)
-    q, k, v, dout = _inputs(_seed(request), 2, 200, 300, 4, 4, 128, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 200, 300, 4, 4, 128, torch.bfloat16)
     # A dout that is not contiguous (a transposed view) goes through the same checks.
     dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
     _, *grads = _flash3_grads(q, k, v, dout, False, scale=0.3)
     _check_grads(q, k, v, dout, False, grads, scale=0.3)
 
 
-def test_backward_of_sum_broadcast_grad(request):
+def test_backward_of_sum_broadcast_grad(seed):
     # out.sum().backward() hands the op a stride-0 (expanded) dout.
     _skip_unless_built(torch.bfloat16, 128, True)
-    q, k, v, _ = _inputs(_seed(request), 1, 190, 190, 2, 2, 128, torch.bfloat16)
+    q, k, v, _ = _inputs(seed, 1, 190, 190, 2, 2, 128, torch.bfloat16)
     q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
     flash3.attention(q1, k1, v1, causal=True).sum().backward()
     _check_grads(q, k, v, torch.ones_like(q), True, (q1.grad, k1.grad, v1.grad))
 
 
-def test_backward_torch_compile_fullgraph(request):
+def test_backward_torch_compile_fullgraph(seed):
     # The loss is compiled with fullgraph=True; its backward (flash3::bwd, through the
     # autograd registration) runs as the compiled backward graph.
     _skip_unless_built(torch.bfloat16, 128, True)
-    q, k, v, dout = _inputs(_seed(request), 2, 300, 300, 4, 4, 128, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 300, 300, 4, 4, 128, torch.bfloat16)
     torch._dynamo.reset()
 
     # Deterministic, so that compiled and eager gradients can be compared bit for bit.
@@ -174,9 +169,9 @@ def test_backward_torch_compile_fullgraph(request):
         assert torch.equal(a.grad, b.grad)
 
 
-def test_opcheck_backward(request):
+def test_opcheck_backward(seed):
     _skip_unless_built(torch.bfloat16, 128, False)
-    q, k, v, dout = _inputs(_seed(request), 2, 130, 250, 4, 2, 128, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, 130, 250, 4, 2, 128, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.flash3.fwd.default, (q, k, v, 0.125, False, False))
     out, lse = torch.ops.flash3.fwd(q.detach(), k.detach(), v.detach(), 0.125, False)

@@ -8,7 +8,6 @@ same way (``emulate(round_p=True)``) shows how large that is, and the kernel may
 most twice as far off, plus a bf16 rounding floor.
 """
 import math
-import zlib
 
 import pytest
 import torch
@@ -110,10 +109,6 @@ def test_emulated_accuracy_ordering():
 gpu = pytest.mark.gpu
 
 
-def _seed(request):
-    return zlib.crc32(request.node.nodeid.encode())
-
-
 def _skip_unless_built(d, causal):
     if not fp8.is_supported(d, causal):
         pytest.skip(f"fp8 hdim{d} causal={causal} not in this build")
@@ -123,8 +118,8 @@ def _skip_unless_built(d, causal):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_rows", [64, 128])
 @pytest.mark.parametrize("rotate", [False, True])
-def test_quantize_kernel_matches_reference(request, d, block_rows, rotate):
-    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+def test_quantize_kernel_matches_reference(seed, d, block_rows, rotate):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(2, 333, 3, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
     x[0, 7, 1, 3] = 200.0  # an outlier
     signs = fp8.random_signs(d, seed=5, device="cuda") if rotate else None
@@ -179,9 +174,9 @@ SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_fp8_kernel(request, d, causal, sq, sk):
+def test_fp8_kernel(seed, d, causal, sq, sk):
     _skip_unless_built(d, causal)
-    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    g = torch.Generator(device="cuda").manual_seed(seed)
     h = 2 if sq * sk < 2**21 else 4
     q, k, v = (torch.randn(2, s, h, d, device="cuda", generator=g).to(torch.bfloat16) for s in (sq, sk, sk))
     t = fp8.quantize(q, k, v)
@@ -191,11 +186,11 @@ def test_fp8_kernel(request, d, causal, sq, sk):
 
 @gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_fp8_kernel_gqa_and_varying_scales(request, d):
+def test_fp8_kernel_gqa_and_varying_scales(seed, d):
     """GQA (4 query heads per K/V head) and key blocks of very different magnitude, so that
     the per-tile K and V scales (and their ratios in the O rescale) matter."""
     _skip_unless_built(d, False)
-    g = torch.Generator(device="cuda").manual_seed(_seed(request))
+    g = torch.Generator(device="cuda").manual_seed(seed)
     sq, sk = 300, 700
     q = torch.randn(1, sq, 8, d, device="cuda", generator=g)
     k = torch.randn(1, sk, 2, d, device="cuda", generator=g)

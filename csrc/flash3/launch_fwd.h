@@ -1,11 +1,12 @@
-// Host side of the forward kernel: builds the TMA descriptors, raises the shared-memory
-// limit and launches. Each instantiation .cu includes this once for one
+// Host side of the forward kernel: builds the TMA descriptors, sizes the grid and
+// launches (launch_kernel.h). Each instantiation .cu includes this once for one
 // (element, head dim, mask).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "kernel_fwd.h"
+#include "launch_kernel.h"
 #include "params.h"
 #include "traits.h"
 
@@ -17,14 +18,8 @@ cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal, kShortSeq>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
-  auto* kernel = &flash_fwd_kernel<Kernel>;
-  constexpr int kSmem = Kernel::kSharedStorageSize;
-  // Above 48 KB a kernel must opt in to dynamic shared memory; the attribute is per
-  // function and per device, cheap enough to set on every launch.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) { return err; }
-  kernel<<<grid, Kernel::kThreads, kSmem, stream>>>(kernel_params);
-  return cudaGetLastError();
+  return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
+                          kernel_params);
 }
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and

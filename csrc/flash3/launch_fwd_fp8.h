@@ -6,6 +6,7 @@
 
 #include "fp8.h"
 #include "kernel_fwd_fp8.h"
+#include "launch_kernel.h"
 #include "traits_fp8.h"
 
 namespace flash3 {
@@ -16,12 +17,8 @@ cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.base.num_sms);
-  auto* kernel = &flash_fwd_fp8_kernel<Kernel>;
-  constexpr int kSmem = Kernel::kSharedStorageSize;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) { return err; }
-  kernel<<<grid, Kernel::kThreads, kSmem, stream>>>(kernel_params);
-  return cudaGetLastError();
+  return launch_with_smem(&flash_fwd_fp8_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
+                          kernel_params);
 }
 
 }  // namespace flash3

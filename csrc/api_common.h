@@ -1,0 +1,141 @@
+// What the two torch bindings (api.cpp for bf16/fp16, api_fp8.cpp for e4m3) check and
+// fill alike: the q, k, v tensor checks, the Hopper device check, the forward's outputs
+// for empty problems and the FwdParams fields. The dtype checks differ per binding and stay there.
+//
+// Functions are inline in a named namespace, so both translation units share one device
+// property cache.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "flash3/params.h"
+
+#define FLASH3_CUDA_CHECK(expr)                                                                      \
+  do {                                                                                               \
+    cudaError_t const status_ = (expr);                                                              \
+    TORCH_CHECK(status_ == cudaSuccess, "flash3: ", #expr, " failed: ", cudaGetErrorString(status_)); \
+  } while (0)
+
+namespace flash3::api {
+
+struct DeviceInfo {
+  int major = 0;
+  int minor = 0;
+  int num_sms = 0;
+};
+
+// Device properties are queried once per device: cudaGetDeviceProperties is slow enough
+// to show on short sequences.
+inline DeviceInfo const& device_info(int device) {
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> cache;
+  static std::vector<bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<int>(cache.size())) {
+    cache.resize(device + 1);
+    known.resize(device + 1, false);
+  }
+  if (!known[device]) {
+    DeviceInfo info;
+    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
+    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
+    FLASH3_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
+    cache[device] = info;
+    known[device] = true;
+  }
+  return cache[device];
+}
+
+// The kernels are built for sm_90a only.
+inline DeviceInfo const& hopper_info(at::Tensor const& q) {
+  DeviceInfo const& info = device_info(q.get_device());
+  TORCH_CHECK(info.major == 9 && info.minor == 0, "flash3: needs a Hopper GPU (sm_90), got sm_", info.major,
+              info.minor);
+  return info;
+}
+
+// The checks of q, k, v come in two halves so that each binding's dtype check stands
+// between them, where it always stood: the order decides which error a call with several
+// faults raises.
+
+// q, k, v are CUDA tensors on one device.
+inline void check_qkv_device(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
+}
+
+// q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim) with
+// nheads a multiple of nheads_k; a positive finite softmax_scale; seqlens that fit an int.
+inline void check_qkv_shapes(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "flash3: q, k, v must be 4-D (batch, seqlen, nheads, headdim)");
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash3: k and v must have the same shape");
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == headdim, "flash3: k must be (batch, seqlen_k, nheads_k, ",
+              headdim, ") with batch ", batch);
+  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash3: nheads (", nheads,
+              ") must be a multiple of nheads_k (", nheads_k, ")");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "flash3: softmax_scale must be positive and finite");
+  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
+}
+
+// The forward's out (batch, seqlen_q, nheads, headdim) in out_dtype and lse (batch,
+// nheads, seqlen_q) float32, allocated on q's device (the caller holds its device guard).
+// Returns true when no kernel is needed and they already hold the answer: with no query
+// rows there is nothing to write; with no keys the softmax is over an empty set, so the
+// output is 0 and the logsumexp -inf.
+inline bool alloc_fwd_outputs(at::Tensor const& q, at::Tensor const& k, at::ScalarType out_dtype, at::Tensor& out,
+                              at::Tensor& lse) {
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(out_dtype));
+  lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+  if (batch == 0 || nheads == 0 || seqlen_q == 0) { return true; }
+  if (k.size(1) == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return true;
+  }
+  return false;
+}
+
+// A (batch, seqlen, heads, headdim) tensor as the kernels' params hold it: the data
+// pointer and the batch, row and head strides in elements (the last dimension is
+// contiguous).
+template <class Ptr>
+void set_tensor(Ptr& ptr, int64_t& batch_stride, int64_t& row_stride, int64_t& head_stride, at::Tensor const& t) {
+  ptr = t.data_ptr();
+  batch_stride = t.stride(0);
+  row_stride = t.stride(1);
+  head_stride = t.stride(2);
+}
+
+// Every field of FwdParams, from the (TMA-readable) q, k, v, the output and its
+// logsumexp (float32, contiguous).
+inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                            at::Tensor const& out, at::Tensor const& lse, double softmax_scale, int num_sms) {
+  set_tensor(params.q_ptr, params.q_batch_stride, params.q_row_stride, params.q_head_stride, q);
+  set_tensor(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride, k);
+  set_tensor(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, v);
+  set_tensor(params.o_ptr, params.o_batch_stride, params.o_row_stride, params.o_head_stride, out);
+  params.lse_ptr = lse.data_ptr<float>();
+  params.batch = static_cast<int>(q.size(0));
+  params.seqlen_q = static_cast<int>(q.size(1));
+  params.seqlen_k = static_cast<int>(k.size(1));
+  params.nheads = static_cast<int>(q.size(2));
+  params.nheads_k = static_cast<int>(k.size(2));
+  params.headdim = static_cast<int>(q.size(3));
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.num_sms = num_sms;
+}
+
+}  // namespace flash3::api
