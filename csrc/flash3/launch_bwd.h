@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernel_bwd.h"
+#include "launch_kernel.h"
 #include "params.h"
 #include "prepost_bwd.h"
 #include "traits_bwd.h"
@@ -20,13 +21,8 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   cudaError_t err = run_bwd_preprocess<Element>(params, stream);
   if (err != cudaSuccess) { return err; }
 
-  auto kernel_params = Kernel::to_params(params);
-  auto* kernel = &flash_bwd_kernel<Kernel>;
-  constexpr int kSmem = Kernel::kSharedStorageSize;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) { return err; }
-  kernel<<<Kernel::grid(params), Kernel::kThreads, kSmem, stream>>>(kernel_params);
-  err = cudaGetLastError();
+  err = launch_with_smem(&flash_bwd_kernel<Kernel>, Kernel::grid(params), Kernel::kThreads, Kernel::kSharedStorageSize,
+                         stream, Kernel::to_params(params));
   if (err != cudaSuccess) { return err; }
 
   return run_bwd_postprocess<typename Kernel::Traits>(params, stream);
