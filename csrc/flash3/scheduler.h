@@ -23,6 +23,13 @@ namespace flash3 {
 // each CTA a biased mix. A dynamic persistent grid, with an atomic tile counter and the
 // tile index handed to the consumers through shared memory, was 16% faster at 512 tokens
 // causal but 3-10% slower everywhere else in an A/B run on one H200, so it is not used.)
+//
+// kPersistent with kLongestFirst (the causal short-sequence tiles, traits.h): the grid
+// walks the tile list in rounds of gridDim.x tiles, forwards in even rounds and
+// backwards in odd ones (a snake). Within a head the tiles run longest first, so a CTA
+// that drew a long tile in one round draws a short one in the next: with M query tiles
+// per head and M dividing 2 * gridDim.x, every pair of rounds gives each CTA the same
+// work. No tile index crosses shared memory; each warp computes its own sequence.
 template <bool kPersistent, bool kLongestFirst>
 struct TileScheduler {
   struct Params {
@@ -45,9 +52,19 @@ struct TileScheduler {
     return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
   }
 
+  static constexpr bool kSnake = kPersistent && kLongestFirst;
+
   CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
   CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
-    return kPersistent ? tile + int(gridDim.x) : params.num_tiles;
+    if constexpr (!kPersistent) {
+      return params.num_tiles;
+    } else if constexpr (kSnake) {
+      int const ctas = int(gridDim.x);
+      int const round = tile / ctas + 1;
+      return round * ctas + (round % 2 == 0 ? int(blockIdx.x) : ctas - 1 - int(blockIdx.x));
+    } else {
+      return tile + int(gridDim.x);
+    }
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {

@@ -45,14 +45,20 @@ using namespace cute;
 #define FLASH3_FWD_HDIM128_PERSISTENT 1
 #endif
 
-// kShortSeq: a second tile for short causal sequences, picked at launch by seqlen_q
-// (launch_fwd.h), where one exists (kHasShortSeqTile). At hdim 64 the 192-row tile that
-// suits long sequences (three warpgroups, softmax-bound) wastes much of a short causal
-// problem on the diagonal and on its last partial tile: at 512-1k tokens the 128-row,
-// two-warpgroup tile is 13% faster; from 2k it is 1-9% slower (A/B, H200).
+// kShortSeq: a second kernel for short causal sequences, picked at launch by seqlen_q
+// (launch_fwd.h), where one exists (kHasShortSeqTile). A short causal tile is a few
+// microseconds of math, so the next tile's loads should overlap it: these kernels are
+// persistent, with the snake order of scheduler.h that balances tiles of unequal length.
+// At hdim 64 the tile is also smaller: the 192-row tile that suits long sequences (three
+// warpgroups, softmax-bound) wastes much of a short causal problem on the diagonal and
+// on its last partial tile; the 128-row, two-warpgroup one was 13% faster at 512-1k
+// tokens (and 1-9% slower from 2k).
+#ifndef FLASH3_SHORT_SEQ_MAX_SEQLEN_Q
+#define FLASH3_SHORT_SEQ_MAX_SEQLEN_Q 1024
+#endif
 template <int kHeadDim, bool kIsCausal>
-constexpr bool kHasShortSeqTile = kHeadDim == 64 && kIsCausal;
-constexpr int kShortSeqMaxSeqlenQ = 1024;
+constexpr bool kHasShortSeqTile = (kHeadDim == 64 || kHeadDim == 128) && kIsCausal;
+constexpr int kShortSeqMaxSeqlenQ = FLASH3_SHORT_SEQ_MAX_SEQLEN_Q;
 
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
@@ -60,7 +66,7 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShor
   static constexpr bool kTwoWarpgroups = kIsCausal && kShortSeq;
   static constexpr int kConsumerWarpgroups = kTwoWarpgroups ? 2 : 3;
   static constexpr int kBlockN = kTwoWarpgroups ? 128 : kIsCausal ? 112 : 128, kStages = 2;
-  static constexpr bool kPersistent = !kIsCausal, kPingpong = true;
+  static constexpr bool kPersistent = !kIsCausal || kShortSeq, kPingpong = true;
   // The persistent loop with 160 registers per consumer spills 20-28 B with the TMA store.
   static constexpr bool kTmaStoreO = kIsCausal;
 };
@@ -71,7 +77,7 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShor
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<128, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : FLASH3_FWD_HDIM128_BLOCK_N, kStages = 2;
-  static constexpr bool kPersistent = !kIsCausal && FLASH3_FWD_HDIM128_PERSISTENT, kPingpong = kIsCausal;
+  static constexpr bool kPersistent = kIsCausal ? kShortSeq : bool(FLASH3_FWD_HDIM128_PERSISTENT), kPingpong = kIsCausal;
   // Non-causal: the persistent 128x176 tile has no shared memory left to stage O apart
   // from Q, and staging it in Q's buffer holds back the next tile's Q (-2..-11%). The
   // tiles that do leave room (x144, x160) with the TMA store were within +-4% of this

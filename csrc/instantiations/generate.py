@@ -13,7 +13,7 @@ MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 # key tiles (selected at run time with FLASH3_FP8_BLOCK_N, for A/B runs) get an n<N> suffix.
 # Head dims whose causal forward has a second tile for short sequences (traits.h,
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_causalshort.cu.
-SHORT_SEQ_CAUSAL_HDIMS = [64]
+SHORT_SEQ_CAUSAL_HDIMS = [64, 128]
 FP8_HDIMS = [64, 128, 256]
 FP8_ALT_BLOCK_N = {}  # e.g. {256: [128]}: the 128-key tile at hdim 256, for an A/B run
 
