@@ -19,7 +19,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 HDIMS = [64, 96, 128, 192, 256]
 # (seqlen_q, seqlen_k): single rows, tails that are not multiples of any tile,
 # seqlen_q != seqlen_k both ways, and a long square one.
-SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+# (1537, 1281): the persistent short-sequence causal kernels (seqlen_q <= 2048) with many tiles.
+SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (1537, 1281), (4224, 4224)]
 
 
 def _make_qkv(seed, b, sq, sk, h, hk, d, dtype):

@@ -51,10 +51,11 @@ using namespace cute;
 // persistent, with the snake order of scheduler.h that balances tiles of unequal length.
 // At hdim 64 the tile is also smaller: the 192-row tile that suits long sequences (three
 // warpgroups, softmax-bound) wastes much of a short causal problem on the diagonal and
-// on its last partial tile; the 128-row, two-warpgroup one was 13% faster at 512-1k
-// tokens (and 1-9% slower from 2k).
+// on its last partial tile. A/B on the H200 against one CTA per tile (bf16, TFLOPs/s):
+// hdim 64 +33% / +19% / +7% at 512 / 1k / 2k tokens, hdim 128 +29% / +19% / +11%. Not at
+// hdim 256: its persistent loop spills 88 B.
 #ifndef FLASH3_SHORT_SEQ_MAX_SEQLEN_Q
-#define FLASH3_SHORT_SEQ_MAX_SEQLEN_Q 1024
+#define FLASH3_SHORT_SEQ_MAX_SEQLEN_Q 2048
 #endif
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = (kHeadDim == 64 || kHeadDim == 128) && kIsCausal;
