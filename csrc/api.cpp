@@ -29,17 +29,6 @@ flash3::DType to_dtype(at::ScalarType type) {
   return type == at::kBFloat16 ? flash3::DType::kBF16 : flash3::DType::kFP16;
 }
 
-// TMA reads each tensor through a descriptor: the last dimension must be contiguous,
-// the other strides multiples of 16 bytes and the base address 16-byte aligned. Any other
-// layout is copied once to a contiguous tensor rather than refused.
-at::Tensor tma_ready(at::Tensor const& t) {
-  int64_t const align = 16 / t.element_size();
-  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  // A broadcast dimension (stride 0, e.g. the gradient of a sum) is not TMA-readable.
-  for (int d = 0; d < 3; ++d) { ok = ok && ((t.stride(d) > 0 && t.stride(d) % align == 0) || t.size(d) == 1); }
-  return ok ? t : t.contiguous();
-}
-
 // The bf16/fp16 half of the checks; api_common.h holds those the FP8 binding shares.
 void check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
   flash3::api::check_qkv_device(q, k, v);
@@ -61,9 +50,9 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
 
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
-  at::Tensor const q_tma = tma_ready(q);
-  at::Tensor const k_tma = tma_ready(k);
-  at::Tensor const v_tma = tma_ready(v);
+  at::Tensor const q_tma = flash3::api::tma_ready(q);
+  at::Tensor const k_tma = flash3::api::tma_ready(k);
+  at::Tensor const v_tma = flash3::api::tma_ready(v);
 
   flash3::FwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
@@ -114,10 +103,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   }
 
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
-  at::Tensor const q_tma = tma_ready(q);
-  at::Tensor const k_tma = tma_ready(k);
-  at::Tensor const v_tma = tma_ready(v);
-  at::Tensor const do_tma = tma_ready(dout);
+  at::Tensor const q_tma = flash3::api::tma_ready(q);
+  at::Tensor const k_tma = flash3::api::tma_ready(k);
+  at::Tensor const v_tma = flash3::api::tma_ready(v);
+  at::Tensor const do_tma = flash3::api::tma_ready(dout);
   at::Tensor const out_c = out.stride(-1) == 1 ? out : out.contiguous();
   at::Tensor const lse_c = lse.contiguous();
   at::Tensor dlse_c;

@@ -67,6 +67,19 @@ inline DeviceInfo const& hopper_info(at::Tensor const& q) {
 // faults raises.
 
 // q, k, v are CUDA tensors on one device.
+// TMA reads each tensor through a descriptor: the last dimension must be contiguous,
+// the other strides multiples of 16 bytes and the base address 16-byte aligned. Any other
+// layout is copied once to a contiguous tensor rather than refused.
+inline at::Tensor tma_ready(at::Tensor const& t) {
+  int64_t const align = 16 / t.element_size();
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  // A broadcast dimension (stride 0, e.g. the gradient of a sum) is not TMA-readable.
+  for (int d = 0; d < t.dim() - 1; ++d) {
+    ok = ok && ((t.stride(d) > 0 && t.stride(d) % align == 0) || t.size(d) == 1);
+  }
+  return ok ? t : t.contiguous();
+}
+
 inline void check_qkv_device(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash3: q, k, v must be CUDA tensors");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");

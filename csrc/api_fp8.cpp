@@ -27,15 +27,6 @@
 
 namespace {
 
-// TMA and the quantiser's 16-byte accesses: last dim contiguous, other strides multiples
-// of 16 bytes, base 16-byte aligned; anything else is copied once.
-at::Tensor aligned16(at::Tensor const& t) {
-  int64_t const align = 16 / t.element_size();
-  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < t.dim() - 1; ++d) { ok = ok && (t.stride(d) % align == 0 || t.size(d) == 1); }
-  return ok ? t : t.contiguous();
-}
-
 flash3::BlockScales block_scales(at::Tensor const& s, char const* name, int64_t batch, int64_t heads,
                                  int64_t blocks, at::Device device) {
   TORCH_CHECK(s.scalar_type() == at::kFloat, "flash3: ", name, " must be float32, got ", s.scalar_type());
@@ -73,9 +64,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   at::Tensor out, lse;
   if (flash3::api::alloc_fwd_outputs(q, k, at::kBFloat16, out, lse)) { return {out, lse}; }
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
-  at::Tensor const q_tma = aligned16(q);
-  at::Tensor const k_tma = aligned16(k);
-  at::Tensor const v_tma = aligned16(v);
+  at::Tensor const q_tma = flash3::api::tma_ready(q);
+  at::Tensor const k_tma = flash3::api::tma_ready(k);
+  at::Tensor const v_tma = flash3::api::tma_ready(v);
 
   flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
 
@@ -99,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::option
   TORCH_CHECK(block_rows == 64 || block_rows == 128, "flash3: quantize_fp8 block_rows is ", block_rows,
               "; supported: 64, 128");
   c10::cuda::CUDAGuard const device_guard(x.device());
-  at::Tensor const in = aligned16(x);
+  at::Tensor const in = flash3::api::tma_ready(x);  // its 16-byte loads want the same layout TMA does
   int64_t const batch = x.size(0), seqlen = x.size(1), nheads = x.size(2);
   int64_t const blocks = (seqlen + block_rows - 1) / block_rows;
   auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
