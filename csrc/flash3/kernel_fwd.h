@@ -29,8 +29,9 @@ struct FlashFwdKernel {
   using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits>, EpilogueFwd<Traits>>;
   using Element = typename Traits::Element;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
-  // causal tiles of unequal length are left to the hardware's dynamic assignment
-  // (see scheduler.h and traits.h).
+  // causal tiles of unequal length are left to the hardware's dynamic assignment, except
+  // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
+  // order (see scheduler.h and traits.h).
   using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
