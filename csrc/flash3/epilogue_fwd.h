@@ -168,8 +168,9 @@ struct EpilogueFwdTma {
       Tensor gO = local_tile(mO, BoxShape{}, make_coord(m_block * (kBlockM / kRowsPerWarp) + warp, _));  // (16, atom, d / atom)
       CUTE_UNROLL
       for (int c = 0; c < kHeadDim / kAtomCols; ++c) {
-        // Atom-aligned, so the swizzle leaves this offset as it is.
-        Element* box = smem_o + SmemLayoutO{}(warp * kRowsPerWarp, c * kAtomCols);
+        // The box starts on a swizzle-atom boundary: its offset is that of the unswizzled
+        // layout (TMA applies the swizzle from the address bits).
+        Element* box = smem_o + SmemLayoutO{}.layout_b()(warp * kRowsPerWarp, c * kAtomCols);
         Tensor sBox = make_tensor(make_smem_ptr(box), SmemLayoutBox{});
         auto [tBgO, tBsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox),
                                           group_modes<0, 2>(gO));  // (TMA, d / atom), (TMA)

@@ -23,11 +23,13 @@ cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
 }
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
-// the query is short enough (traits.h), the general one otherwise.
+// both lengths are short enough (traits.h), the general one otherwise.
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
-    if (params.seqlen_q <= kShortSeqMaxSeqlenQ) { return launch_fwd_tiles<Element, kHeadDim, Mask, true>(params, stream); }
+    if (params.seqlen_q <= kShortSeqMaxSeqlen && params.seqlen_k <= kShortSeqMaxSeqlen) {
+      return launch_fwd_tiles<Element, kHeadDim, Mask, true>(params, stream);
+    }
   }
   return launch_fwd_tiles<Element, kHeadDim, Mask, false>(params, stream);
 }

@@ -32,7 +32,8 @@ using namespace cute;
 //    64    3     192   128 / 112 causal   non-causal  24 KB + 64 KB   (softmax-bound: two
 //                                                     warpgroups in softmax while one runs
 //                                                     GEMMs; causal spills 32 B at 128)
-//    64    2     128      128 (causal, seqlen_q <= 1024: kShortSeq)
+//    64    2     128      128 (causal, seqlen_q and seqlen_k <= 2048: kShortSeq, persistent)
+//   128    2     128      128 (causal, seqlen_q and seqlen_k <= 2048: kShortSeq, persistent)
 //    96    2     128      128             non-causal  24 KB + 96 KB
 //   128    2     128   176 / 128 causal   non-causal  32 KB + 176 KB  (causal: finer diagonal)
 //   192    2     128      112             no          48 KB + 168 KB
@@ -54,12 +55,14 @@ using namespace cute;
 // on its last partial tile. A/B on the H200 against one CTA per tile (bf16, TFLOPs/s):
 // hdim 64 +33% / +19% / +7% at 512 / 1k / 2k tokens, hdim 128 +29% / +19% / +11%. Not at
 // hdim 256: its persistent loop spills 88 B.
-#ifndef FLASH3_SHORT_SEQ_MAX_SEQLEN_Q
-#define FLASH3_SHORT_SEQ_MAX_SEQLEN_Q 2048
+// Both lengths count: with few queries against many keys (bottom-right aligned) the
+// causal tiles are long and nearly equal, which the general kernels handle better.
+#ifndef FLASH3_SHORT_SEQ_MAX_SEQLEN
+#define FLASH3_SHORT_SEQ_MAX_SEQLEN 2048
 #endif
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = (kHeadDim == 64 || kHeadDim == 128) && kIsCausal;
-constexpr int kShortSeqMaxSeqlenQ = FLASH3_SHORT_SEQ_MAX_SEQLEN_Q;
+constexpr int kShortSeqMaxSeqlen = FLASH3_SHORT_SEQ_MAX_SEQLEN;
 
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
@@ -158,11 +161,14 @@ struct KernelTraits {
 
   // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA, unless
   // built with FLASH3_FWD_O_FROM_REGISTERS (the A/B experiment against direct stores).
-  // The staging buffer has Q's size. A kernel with one tile per CTA reuses Q's buffer,
-  // which is free once the last Q K^T is done. A persistent one would then have to hold
-  // the next tile's Q load until O has left, so it gets a buffer of its own where shared
-  // memory allows (hdim 64, 96); where it does not (hdim 128), O goes through Q's buffer
-  // and Q is handed back to the producer only after the TMA store has read it.
+  // The staging buffer has Q's size. A kernel with one tile per CTA reuses Q's buffer:
+  // each warp's rows are free once its warpgroup's last Q K^T is done, and Q is handed
+  // back to the producer (which has no next tile to load) after the store has read them.
+  // A persistent kernel would then hold the next tile's Q load until O has left, so it
+  // gets a buffer of its own where shared memory allows (all persistent configurations on
+  // the TMA path today: hdim 96 non-causal, hdim 64 / 128 short causal). The fallback
+  // through Q's buffer ran in the tests when hdim 128 non-causal used it (its A/B in
+  // benchmarks/results/h200-fwd-ab.md), but no configuration uses it now.
 #ifdef FLASH3_FWD_O_FROM_REGISTERS
   static constexpr bool kTmaStoreO = false;
 #else
