@@ -14,6 +14,7 @@
 #include <cutlass/cutlass.h>
 
 #include "params.h"
+#include "tma.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -115,24 +116,23 @@ struct EpilogueFwdTma {
   using BoxShape = Shape<Int<kRowsPerWarp>, Int<kAtomCols>>;
   using SmemLayoutBox = decltype(tile_to_shape(SmemAtomO{}, BoxShape{}));
 
-  using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
-  using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
-  static auto make_tma_store(Element* ptr, ShapeO const& shape, StrideO const& stride) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_STORE{}, gmem, SmemLayoutBox{}, BoxShape{}, /*cluster_size=*/_1{});
+  static auto make_tma_o(Element* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_STORE{}, ptr, shape, stride, SmemLayoutBox{}, BoxShape{});
   }
-  using TmaO = decltype(make_tma_store(nullptr, ShapeO{}, StrideO{}));
+  using TmaO = decltype(make_tma_o(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
 
   struct Params {
     typename Direct::Params direct;
     TmaO tma_o;
-    ShapeO shape_o;
+    ShapeRowsHead shape_o;  // tma.h
   };
 
   static Params to_params(FwdParams const& p) {
-    ShapeO shape_o = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    StrideO stride_o = make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride);
-    return {Direct::to_params(p), make_tma_store(static_cast<Element*>(p.o_ptr), shape_o, stride_o), shape_o};
+    ShapeRowsHead shape_o = rows_head_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    return {Direct::to_params(p),
+            make_tma_o(static_cast<Element*>(p.o_ptr), shape_o,
+                       rows_head_stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)),
+            shape_o};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {

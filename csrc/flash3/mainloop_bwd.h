@@ -11,6 +11,7 @@
 #include "barriers.h"
 #include "mask.h"
 #include "params.h"
+#include "tma.h"
 #include "traits_bwd.h"
 #include "utils.h"
 
@@ -37,27 +38,23 @@ struct MainloopBwd {
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
 
-  // (seqlen, headdim, head, batch) as in the forward; the row statistics are
+  // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
   // (seqlen_q_padded, head, batch), contiguous.
-  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using ShapeQKV = ShapeRowsHead;
   using ShapeRow = Shape<int32_t, int32_t, int32_t>;
   using StrideRow = Stride<_1, int64_t, int64_t>;
 
-  static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}), _1{});
+  static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}));
   }
-  static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}), _1{});
+  static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}));
   }
   static auto make_tma_row(float const* ptr, ShapeRow const& shape, StrideRow const& stride) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{}, _1{});
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
   }
-  using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideQKV{}));
-  using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideQKV{}));
+  using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideRowsHead{}));
+  using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideRowsHead{}));
   using TmaRow = decltype(make_tma_row(nullptr, ShapeRow{}, StrideRow{}));
 
   struct SharedStorage {
@@ -98,18 +95,18 @@ struct MainloopBwd {
   };
 
   static Params to_params(BwdParams const& p) {
-    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+    ShapeQKV shape_q = rows_head_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    ShapeQKV shape_k = rows_head_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
     ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.batch);
     StrideRow stride_row = make_stride(_1{}, int64_t(p.seqlen_q_padded), int64_t(p.seqlen_q_padded) * p.nheads);
     return {make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
-                       make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride)),
+                       rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
             make_tma_q(static_cast<Element const*>(p.do_ptr), shape_q,
-                       make_stride(p.do_row_stride, _1{}, p.do_head_stride, p.do_batch_stride)),
+                       rows_head_stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride)),
             make_tma_k(static_cast<Element const*>(p.k_ptr), shape_k,
-                       make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride)),
+                       rows_head_stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride)),
             make_tma_k(static_cast<Element const*>(p.v_ptr), shape_k,
-                       make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride)),
+                       rows_head_stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride)),
             make_tma_row(p.lse_log2_ptr, shape_row, stride_row),
             make_tma_row(p.dpsum_ptr, shape_row, stride_row),
             shape_q, shape_k, shape_row, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_k,

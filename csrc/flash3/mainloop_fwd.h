@@ -11,6 +11,7 @@
 #include "mask.h"
 #include "params.h"
 #include "softmax.h"
+#include "tma.h"
 #include "traits.h"
 #include "utils.h"
 
@@ -35,20 +36,7 @@ struct MainloopFwd {
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
 
-  // Global tensors are viewed as (seqlen, headdim, head, batch) so that one TMA box is a
-  // (rows x headdim) tile of one head of one batch.
-  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
-
-  template <class SmemLayout, class BoxShape>
-  static auto make_tma_load(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride,
-                            SmemLayout const& smem_layout, BoxShape const& box) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, smem_layout, box, /*cluster_size=*/_1{});
-  }
-  using TmaQ = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})));
-  using TmaK = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})));
-  using TmaV = TmaK;
+  using Loads = FwdLoadsTma<Traits>;  // tma.h
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -56,12 +44,8 @@ struct MainloopFwd {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
 
-  struct Params {
-    TmaQ tma_q;
-    TmaK tma_k;
-    TmaV tma_v;
-    ShapeQKV shape_q;
-    ShapeQKV shape_k;
+  // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
+  struct Params : Loads {
     int seqlen_q;
     int seqlen_k;
     int head_group;  // nheads / nheads_k: query heads per K/V head
@@ -70,23 +54,10 @@ struct MainloopFwd {
   };
 
   static Params to_params(FwdParams const& p) {
-    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
-    StrideQKV stride_q = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
-    StrideQKV stride_k = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
-    StrideQKV stride_v = make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride);
-    return {make_tma_load(static_cast<Element const*>(p.q_ptr), shape_q, stride_q, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})),
-            make_tma_load(static_cast<Element const*>(p.k_ptr), shape_k, stride_k, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})),
-            make_tma_load(static_cast<Element const*>(p.v_ptr), shape_k, stride_v, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{})),
-            shape_q, shape_k, p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k,
-            p.softmax_scale, p.softmax_scale_log2};
+    return {Loads::make(p), p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k, p.softmax_scale, p.softmax_scale_log2};
   }
 
-  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-  }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) { params.prefetch_descriptors(); }
 
   CUTLASS_DEVICE static int n_block_end(Params const& params, int m_block) {
     return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);

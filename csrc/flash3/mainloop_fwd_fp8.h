@@ -12,6 +12,7 @@
 #include "barriers.h"
 #include "fp8.h"
 #include "mask.h"
+#include "tma.h"
 #include "traits_fp8.h"
 #include "utils.h"
 
@@ -36,18 +37,7 @@ struct MainloopFwdFp8 {
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
 
-  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, headdim, head, batch)
-  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
-
-  template <class SmemLayout, class BoxShape>
-  static auto make_tma_load(Element const* ptr, ShapeQKV const& shape, StrideQKV const& stride,
-                            SmemLayout const& smem_layout, BoxShape const& box) {
-    Tensor gmem = make_tensor(make_gmem_ptr(ptr), shape, stride);
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, smem_layout, box, /*cluster_size=*/_1{});
-  }
-  using TmaQ = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})));
-  using TmaK = decltype(make_tma_load(nullptr, ShapeQKV{}, StrideQKV{}, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})));
-  using TmaV = TmaK;
+  using Loads = FwdLoadsTma<Traits>;  // tma.h; V is staged with K's layout, then transposed (fp8.h)
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -56,12 +46,8 @@ struct MainloopFwdFp8 {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> smem_vt;
   };
 
-  struct Params {
-    TmaQ tma_q;
-    TmaK tma_k;
-    TmaV tma_v;
-    ShapeQKV shape_q;
-    ShapeQKV shape_k;
+  // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
+  struct Params : Loads {
     int seqlen_q;
     int seqlen_k;
     int head_group;  // nheads / nheads_k
@@ -71,23 +57,11 @@ struct MainloopFwdFp8 {
 
   static Params to_params(FwdFp8Params const& pf) {
     FwdParams const& p = pf.base;
-    ShapeQKV shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    ShapeQKV shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
-    StrideQKV stride_q = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
-    StrideQKV stride_k = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
-    StrideQKV stride_v = make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride);
-    return {make_tma_load(static_cast<Element const*>(p.q_ptr), shape_q, stride_q, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{})),
-            make_tma_load(static_cast<Element const*>(p.k_ptr), shape_k, stride_k, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{})),
-            make_tma_load(static_cast<Element const*>(p.v_ptr), shape_k, stride_v, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{})),
-            shape_q, shape_k, p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k, p.softmax_scale_log2,
+    return {Loads::make(p), p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k, p.softmax_scale_log2,
             pf.q_scale, pf.k_scale, pf.v_scale};
   }
 
-  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-  }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) { params.prefetch_descriptors(); }
 
   CUTLASS_DEVICE static int n_block_end(Params const& params, int m_block) {
     return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);
