@@ -116,8 +116,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   int64_t const seqlen_q_padded = (seqlen_q + 127) / 128 * 128;
   auto lse_log2 = at::empty({batch, nheads, seqlen_q_padded}, f32);
   auto dpsum = at::empty({batch, nheads, seqlen_q_padded}, f32);
-  int64_t const m_blocks = (seqlen_q + flash3::kBwdBlockM - 1) / flash3::kBwdBlockM;
-  auto dq_accum = at::zeros({batch, nheads, m_blocks, flash3::kBwdBlockM * headdim}, f32);
+  int64_t const block_m = flash3::bwd_block_m(static_cast<int>(headdim));
+  int64_t const m_blocks = (seqlen_q + block_m - 1) / block_m;
+  auto dq_accum = at::zeros({batch, nheads, m_blocks, block_m * headdim}, f32);
   at::Tensor dq_semaphore;
   if (deterministic) { dq_semaphore = at::zeros({batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
   // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed

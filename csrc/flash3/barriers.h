@@ -19,13 +19,19 @@ enum class NamedBarrier : int {
   // Backward: both halves of P (of dS) of a query tile are in shared memory.
   PFull = 3,
   dSFull = 4,
-  // Backward: the dQ warp's bulk reduction has read the dQ buffer (kDqViaSmem).
-  DqEmpty = 5,
+  // Backward: the dQ warp's bulk reduction has read consumer warpgroup i's half of the
+  // dQ buffer (kDqViaSmem); DqEmptyWG0 + i.
+  DqEmptyWG0 = 5,
   // Backward (dQ in the Q/dO stages): both consumer warpgroups' GEMMs have read them.
   QdOStagesRead = 6,
+  DqEmptyWG1 = 7,
 };
-static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 7 <= 16,
+static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 8 <= 16,
               "named barrier ids run past the 16 the hardware has");
+
+CUTLASS_DEVICE NamedBarrier dq_empty_barrier(int warpgroup) {
+  return warpgroup == 0 ? NamedBarrier::DqEmptyWG0 : NamedBarrier::DqEmptyWG1;
+}
 
 CUTLASS_DEVICE NamedBarrier warp_scheduler_barrier(int warpgroup) {
   return static_cast<NamedBarrier>(static_cast<int>(NamedBarrier::WarpSchedulerWG0) + warpgroup);

@@ -79,7 +79,9 @@ struct FlashBwdKernel {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.barrier_kv.init(/*arrive_count=*/1);
       for (int stage = 0; stage < Traits::kStages; ++stage) {
-        storage.mainloop.barrier_dq_full[stage].init(/*arrive_count=*/Traits::kConsumerThreads);
+        for (int warpgroup = 0; warpgroup < Traits::kConsumerWarpgroups; ++warpgroup) {
+          storage.mainloop.barrier_dq_full[stage][warpgroup].init(/*arrive_count=*/cutlass::NumThreadsPerWarpGroup);
+        }
         storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/1);
       }
     }

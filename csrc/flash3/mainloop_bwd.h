@@ -37,6 +37,7 @@ struct MainloopBwd {
   using PipelinedO = typename Traits::PipelinedO;
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+  static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
   // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
   // (seqlen_q_padded, head, batch), contiguous.
@@ -62,15 +63,17 @@ struct MainloopBwd {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_p;
+    // kSplitKeys keeps P in registers (smem_p is a placeholder) and stores dS as dS^T.
+    cute::array_aligned<Element, Traits::kSplitKeys ? 8 : cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_p;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_ds;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_lse;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_dpsum;
     cute::array_aligned<float, Traits::kDqViaSmem ? Traits::kDqElements : 4, 128> smem_dq;
-    // The dQ of the tile in (Q/dO) stage s is in shared memory (every consumer thread
-    // arrives); an mbarrier per stage rather than a named barrier, because the consumers
-    // may hand over the next tile before the dQ warp has taken this one.
-    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages];
+    // Consumer warpgroup w's half of the dQ of the tile in (Q/dO) stage s is in shared
+    // memory (its 128 threads arrive); mbarriers per stage rather than named barriers,
+    // because a warpgroup may hand over the next tile before the dQ warp has taken this
+    // one. One per warpgroup, so that neither waits for the other's dQ.
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
     // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
   };
@@ -220,6 +223,198 @@ struct MainloopBwd {
                                  PipelineState& read_q, PipelineState& read_do,
                                  TensordKV& tdKrdK, TensordKV& tdVrdV,
                                  int thread_idx, int n_block, int head, int batch) {
+    if constexpr (Traits::kSplitKeys) {
+      mma_split_keys(params, storage, barrier_kv, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
+                     thread_idx, n_block, head, batch);
+    } else {
+      mma_lockstep(params, storage, barrier_kv, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
+                   thread_idx, n_block, head, batch);
+    }
+  }
+
+  // With 64-row query tiles dV += P^T dO is issued before dS^T is computed (it overlaps
+  // that math); taller tiles issue it after, when the fp32 P^T is dead, or they spill.
+  static constexpr bool kDvBeforeDs = kBlockM <= 64;
+
+  // kSplitKeys: each warpgroup computes S^T and dP^T for its kBlockN / 2 keys against the
+  // whole query tile, keeps P^T and dS^T in registers as the A operands of dV and dK, and
+  // meets the other warpgroup once per tile, where both halves of dS are in shared memory
+  // for dQ = dS K.
+  template <class TensordKV>
+  CUTLASS_DEVICE static void mma_split_keys(Params const& params, SharedStorage& storage,
+                                            cutlass::arch::ClusterTransactionBarrier& barrier_kv,
+                                            PipelineQ& pipeline_q, PipelinedO& pipeline_do,
+                                            PipelineState& read_q, PipelineState& read_do,
+                                            TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                            int thread_idx, int n_block, int head, int batch) {
+    clear(tdKrdK);
+    clear(tdVrdV);
+    int const m_begin = m_block_begin(params, n_block);
+    int const m_end = m_block_end(params);
+    if (m_begin >= m_end) { return; }
+
+    typename Traits::TiledMmaSdP tiled_mma_sdp;
+    typename Traits::TiledMmadKV tiled_mma_dkv;
+    typename Traits::TiledMmadQ tiled_mma_dq;
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
+    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
+    using TileShapeSdPt = typename Traits::TileShapeSdPt;
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Traits::SmemLayoutdSForDq{});
+    Tensor sLSE = make_tensor(make_smem_ptr(storage.smem_lse.data()), SmemLayoutRow{});
+    Tensor sdPsum = make_tensor(make_smem_ptr(storage.smem_dpsum.data()), SmemLayoutRow{});
+
+    Tensor tStrK = thr_mma_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K): this warpgroup's keys
+    Tensor tStrQ = thr_mma_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tdPtrV = thr_mma_sdp.partition_fragment_A(sV);     // (MMA, MMA_N, MMA_K)
+    Tensor tdPtrdO = thr_mma_sdp.partition_fragment_B(sdO);   // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_M, PIPE)
+    Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_D, MMA_M, PIPE)
+    Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_N, PDS)
+    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_D, MMA_N)
+    auto smem_tiled_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
+    auto smem_thr_copy_ds = smem_tiled_copy_ds.get_thread_slice(thread_idx);
+    Tensor tdSsdS = smem_thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, PDS)
+
+    // Tile coordinates (key, query) of each S^T element this thread holds.
+    Tensor cSt = make_identity_tensor(select<0, 1>(TileShapeSdPt{}));
+    Tensor tStcSt = thr_mma_sdp.partition_C(cSt);
+    Tensor tStcSt_rowcol = make_tensor(tStcSt.data(), accumulator_rowcol(tStcSt.layout()));
+
+    Policy const policy{params.seqlen_q, params.seqlen_k};
+
+    barrier_kv.wait(0);
+
+    int pds = 0;  // the dS buffer of this query tile
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      Tensor tStrSt = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{}));
+      Tensor tdPtrdPt = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{}));
+      pipeline_q.consumer_wait(read_q);
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
+      pipeline_do.consumer_wait(read_do);
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tdPtrV, tdPtrdO(_, _, _, read_do.index()), tdPtrdPt);
+
+      Tensor tStrSt_rowcol = make_tensor(tStrSt.data(), accumulator_rowcol(tStrSt.layout()));
+      Tensor tdPtrdPt_rowcol = make_tensor(tdPtrdPt.data(), accumulator_rowcol(tdPtrdPt.layout()));
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)) while dP^T = V dO^T runs; the
+      // statistics are per query, i.e. per column.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tStrSt);
+      if (policy.needs_mask(m_block, n_block)) {
+        policy.apply_transposed(tStrSt_rowcol, tStcSt_rowcol, m_block, n_block);
+      }
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tStrSt_rowcol); ++ni) {
+        float const lse = sLSE(get<1>(tStcSt_rowcol(0, ni)), read_q.index());
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(tStrSt_rowcol); ++mi) {
+          tStrSt_rowcol(mi, ni) = exp2f(tStrSt_rowcol(mi, ni) * params.softmax_scale_log2 - lse);
+        }
+      }
+      // dV += P^T dO, P^T straight from the accumulator registers. Issued before dS is
+      // computed, so that it runs under that math, where registers allow: the bf16 copy
+      // of P^T is then live beside P^T, dP^T and dS^T (kBlockM * 3 / 2 + kBlockM / 4
+      // registers more than dK and dV).
+      Tensor rPt = make_tensor<Element>(tStrSt.layout());
+      auto issue_dv = [&] {
+        convert_into(tStrSt, rPt);
+        Tensor tdVrPt = make_tensor(rPt.data(), accumulator_as_operand_a(rPt.layout()));
+        warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), tdVrdV);
+      };
+      if constexpr (kDvBeforeDs) {
+        issue_dv();
+        warpgroup_wait<1>();  // dP^T done; dV may still run
+      } else {
+        warpgroup_wait<0>();  // dP^T done
+      }
+      warpgroup_fence_operand(tdPtrdPt);
+
+      // dS^T = P^T * (dP^T - dPsum).
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tdPtrdPt_rowcol); ++ni) {
+        float const dpsum = sdPsum(get<1>(tStcSt_rowcol(0, ni)), read_do.index());
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(tdPtrdPt_rowcol); ++mi) {
+          tdPtrdPt_rowcol(mi, ni) = tStrSt_rowcol(mi, ni) * (tdPtrdPt_rowcol(mi, ni) - dpsum);
+        }
+      }
+      if constexpr (!kDvBeforeDs) { issue_dv(); }
+      Tensor rdSt = make_tensor<Element>(tdPtrdPt.layout());
+      convert_into(tdPtrdPt, rdSt);
+      // dS^T to shared memory for dQ. Buffer pds was last read by tile m - 2's dQ GEMMs,
+      // which both warpgroups finished before arriving at tile m - 1's barrier.
+      copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(rdSt), tdSsdS(_, _, _, pds));
+      // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
+      // warpgroups before either reads the buffer.
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(kConsumerThreads, NamedBarrier::dSFull);
+
+      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
+      warpgroup_wait<1>();  // dV done: dO has been read
+      pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
+      // dK += dS^T Q, from registers; it runs while dQ goes to the dQ warp.
+      Tensor tdKrdSt = make_tensor(rdSt.data(), accumulator_as_operand_a(rdSt.layout()));
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
+      warpgroup_wait<1>();  // dQ done
+      warpgroup_fence_operand(tdQrdQ);
+      hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
+      warpgroup_wait<0>();  // dK done: Q has been read
+      pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
+      ++read_q;
+      ++read_do;
+      pds ^= 1;
+    }
+  }
+
+  // Hands this warpgroup's half of a query tile's dQ (d / 2 columns, float32) to the dQ
+  // warp through shared memory: its own buffer (kDqViaSmem), or else the tile's Q stage
+  // (warpgroup 0) or dO stage (warpgroup 1), once both warpgroups' GEMMs have read them
+  // (the producer refills them only after the dQ warp's read).
+  template <class TensordQ>
+  CUTLASS_DEVICE static void hand_over_dq(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
+                                          bool first_tile, int stage_q, int stage_do) {
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    float4* sdQ;
+    if constexpr (Traits::kDqViaSmem) {
+      // The dQ warp's bulk reduction of this warpgroup's previous half must have read it.
+      if (!first_tile) { named_barrier_sync(kDqBarrierThreads, dq_empty_barrier(warpgroup)); }  // LOCK sdQ half
+      sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
+    } else {
+      named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
+      Element* stage = warpgroup == 0 ? storage.smem_q.data() + stage_q * kStageElements
+                                      : storage.smem_do.data() + stage_do * kStageElements;
+      sdQ = reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 4) {
+      sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    }
+    // The bulk reduction reads shared memory through the async proxy.
+    cutlass::arch::fence_view_async_shared();
+    storage.barrier_dq_full[stage_q][warpgroup].arrive();  // UNLOCK sdQ half: to the dQ warp
+  }
+
+  // Without kSplitKeys: the warpgroups split the keys for S and dP but the head dim for
+  // dV, dK and dQ, so P and dS both go through shared memory, a barrier each per tile.
+  template <class TensordKV>
+  CUTLASS_DEVICE static void mma_lockstep(Params const& params, SharedStorage& storage,
+                                          cutlass::arch::ClusterTransactionBarrier& barrier_kv,
+                                          PipelineQ& pipeline_q, PipelinedO& pipeline_do,
+                                          PipelineState& read_q, PipelineState& read_do,
+                                          TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                          int thread_idx, int n_block, int head, int batch) {
     clear(tdKrdK);
     clear(tdVrdV);
     int const m_begin = m_block_begin(params, n_block);
@@ -336,28 +531,7 @@ struct MainloopBwd {
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
       warpgroup_wait<0>();
 
-      float4* sdQ;
-      if constexpr (Traits::kDqViaSmem) {
-        // The dQ warp's bulk reduction of the previous tile must have read the buffer.
-        if (m_block > m_begin) { named_barrier_sync(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // LOCK sdQ
-        sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
-      } else {
-        // This tile's Q stage (warpgroup 0's half) and dO stage (warpgroup 1's half), once
-        // both warpgroups' GEMMs have read them; the producer refills them only after the
-        // dQ warp's read.
-        named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
-        int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-        Element* stage = warpgroup == 0 ? storage.smem_q.data() + read_q.index() * kStageElements
-                                        : storage.smem_do.data() + read_do.index() * kStageElements;
-        sdQ = reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(tdQrdQ); i += 4) {
-        sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-      }
-      // The bulk reduction reads shared memory through the async proxy.
-      cutlass::arch::fence_view_async_shared();
-      storage.barrier_dq_full[read_q.index()].arrive();  // UNLOCK sdQ: to the dQ warp
+      hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
       pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
       ++read_q;
       pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
@@ -375,14 +549,14 @@ struct MainloopBwd {
     }
   }
 
-  static constexpr int kDqBarrierThreads = kConsumerThreads + cutlass::NumThreadsPerWarp;
+  static constexpr int kDqBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
   // One Q (or dO) stage; stage s starts s of these into smem_q (smem_do).
   static constexpr int kStageElements = kBlockM * kHeadDim;
   static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
 
-  // The dQ warp (one warp of the producer warpgroup): per query tile, waits for the
-  // consumers' dQ in shared memory and adds it to the workspace tile with two bulk
-  // reductions issued by one lane. Deterministic mode takes turns per query tile so that
+  // The dQ warp (one warp of the producer warpgroup): per query tile, waits for each
+  // consumer warpgroup's half of dQ in shared memory and adds it to the workspace tile
+  // with a bulk reduction issued by one lane. Deterministic mode takes turns per query tile so that
   // the float32 sums happen in a fixed order: the key tiles that see query tile m are
   // 0..n_last(m), and they add in descending order (n_last first), each waiting until the
   // semaphore counts the tiles above it. Descending, because a key tile walks its query
@@ -402,29 +576,33 @@ struct MainloopBwd {
     CUTLASS_PRAGMA_NO_UNROLL
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
       int const stage = (m_block - m_begin) % Traits::kStages;
-      // Where the consumers put the two halves (see mma()).
-      float const* half0 = Traits::kDqViaSmem
-          ? storage.smem_dq.data()
-          : reinterpret_cast<float const*>(storage.smem_q.data() + stage * kStageElements);
-      float const* half1 = Traits::kDqViaSmem
-          ? storage.smem_dq.data() + Traits::kDqElements / 2
-          : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements);
-      storage.barrier_dq_full[stage].wait(((m_block - m_begin) / Traits::kStages) & 1);  // LOCK sdQ
-      if (lane == 0) {
-        float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
-        int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
-        int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
-        if (semaphore != nullptr) {
-          turn = n_block_last(params, m_block) - n_block;
-          while (cuda_ld_acquire(semaphore) != turn) {}
-          // Order the acquire before the (async-proxy) reductions below.
-          asm volatile("fence.proxy.async.global;" ::: "memory");
-        }
+      uint32_t const phase = ((m_block - m_begin) / Traits::kStages) & 1;
+      // Where the consumer warpgroups put their halves (hand_over_dq()).
+      float const* halves[2] = {
+          Traits::kDqViaSmem ? storage.smem_dq.data()
+                             : reinterpret_cast<float const*>(storage.smem_q.data() + stage * kStageElements),
+          Traits::kDqViaSmem ? storage.smem_dq.data() + Traits::kDqElements / 2
+                             : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements)};
+      float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
+      int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+      int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        storage.barrier_dq_full[stage][half].wait(phase);  // LOCK sdQ half
+        if (lane == 0) {
+          if (half == 0 && semaphore != nullptr) {
+            turn = n_block_last(params, m_block) - n_block;
+            while (cuda_ld_acquire(semaphore) != turn) {}
+            // Order the acquire before the (async-proxy) reductions below.
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+          }
 #ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what adding dQ costs
-        bulk_reduce_add(dq_tile, half0, kHalfBytes);
-        bulk_reduce_add(dq_tile + Traits::kDqElements / 2, half1, kHalfBytes);
+          bulk_reduce_add(dq_tile + half * (Traits::kDqElements / 2), halves[half], kHalfBytes);
 #endif
-        cute::tma_store_arrive();
+          cute::tma_store_arrive();  // one bulk group per half
+        }
+      }
+      if (lane == 0) {
         if (semaphore != nullptr) {
           // Deterministic: the next key tile may add only once this tile's sums are done.
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -432,16 +610,23 @@ struct MainloopBwd {
           __threadfence();
           cuda_st_release(semaphore, turn + 1);
         } else {
-          cute::tma_store_wait<0>();  // the reductions have read shared memory
+          cute::tma_store_wait<1>();  // half 0 has been read
         }
       }
       __syncwarp();
       if constexpr (Traits::kDqViaSmem) {
-        // The consumers wait for this only before writing the next tile's dQ.
-        if (m_block + 1 < m_end) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmpty); }  // UNLOCK sdQ
+        // Each warpgroup waits for its half's read only before writing the next tile's.
+        bool const more = m_block + 1 < m_end;
+        if (more) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmptyWG0); }  // UNLOCK sdQ half 0
+        if (lane == 0) { cute::tma_store_wait<0>(); }  // half 1 has been read
+        __syncwarp();
+        if (more) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmptyWG1); }  // UNLOCK sdQ half 1
       } else {
-        // The producer waits for this before refilling the stage.
-        if (lane == 0) { storage.barrier_dq_read[stage].arrive(); }  // UNLOCK Q and dO stage
+        // The producer waits for this before refilling the stages.
+        if (lane == 0) {
+          cute::tma_store_wait<0>();
+          storage.barrier_dq_read[stage].arrive();  // UNLOCK Q and dO stage
+        }
       }
     }
     if (lane == 0) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }

@@ -72,6 +72,27 @@ struct MaskPolicy {
       }
     }
   }
+
+  // The same mask on a transposed tile, S^T (keys as rows, queries as columns), as the
+  // backward computes it: tStcSt_rowcol holds (key, query) tile coordinates.
+  template <class TensorSt, class TensorC>
+  CUTLASS_DEVICE void apply_transposed(TensorSt& tStrSt_rowcol, TensorC const& tStcSt_rowcol, int m_block,
+                                       int n_block) const {
+    int const key0 = n_block * kBlockN;
+    int const query0 = m_block * kBlockM;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tStrSt_rowcol); ++mi) {
+      int const key = key0 + get<0>(tStcSt_rowcol(mi, 0));
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tStrSt_rowcol); ++ni) {
+        bool masked = key >= seqlen_k;
+        if constexpr (Mask::kIsCausal) {
+          masked = masked || key > query0 + get<1>(tStcSt_rowcol(mi, ni)) + seqlen_k - seqlen_q;
+        }
+        if (masked) { tStrSt_rowcol(mi, ni) = -INFINITY; }
+      }
+    }
+  }
 };
 
 }  // namespace flash3

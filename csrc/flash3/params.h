@@ -39,9 +39,14 @@ struct FwdParams {
   int num_sms = 0;
 };
 
-// The query-tile height of every backward kernel. The binding sizes the dQ workspace
-// (whole tiles) and the deterministic-mode semaphores (one per tile) with it.
-constexpr int kBwdBlockM = 64;
+// The query-tile height of the backward kernel of a head dim. The binding sizes the dQ
+// workspace (whole tiles) and the deterministic-mode semaphores (one per tile) with it.
+// hdim 64's GEMMs are short in K (64), so a taller query tile halves the per-tile costs
+// (barriers, the dQ hand-over) against its math.
+#ifndef FLASH3_BWD_HDIM64_BLOCK_M
+#define FLASH3_BWD_HDIM64_BLOCK_M 64
+#endif
+constexpr int bwd_block_m(int headdim) { return headdim == 64 ? FLASH3_BWD_HDIM64_BLOCK_M : 64; }
 
 // The backward pass (launch_bwd.h): the forward's tensors plus the gradients and the
 // fp32 workspaces the binding allocates.
@@ -63,11 +68,11 @@ struct BwdParams : FwdParams {
   bool dkv_is_fp32 = false;
 
   // Workspaces, float32. lse_log2 and dpsum: (batch, nheads, seqlen_q_padded), written by
-  // the preprocess kernel; dq_accum: (batch, nheads, m_blocks, kBwdBlockM * headdim),
+  // the preprocess kernel; dq_accum: (batch, nheads, m_blocks, bwd_block_m(headdim) * headdim),
   // zeroed by the binding, summed into by every key tile, each tile stored in the order
   // of the dQ accumulator's registers (mainloop_bwd.h) and put back in rows by the
   // postprocess kernel; dq_semaphore: int32 (batch, nheads, m_blocks), zeroed, only with
-  // deterministic. m_blocks = ceil(seqlen_q / kBwdBlockM).
+  // deterministic. m_blocks = ceil(seqlen_q / bwd_block_m(headdim)).
   float* lse_log2_ptr = nullptr;
   float* dpsum_ptr = nullptr;
   float* dq_accum_ptr = nullptr;

@@ -7,32 +7,35 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "params.h"
+
 namespace flash3 {
 
 using namespace cute;
 
 // A CTA owns one key tile (kBlockN rows of K and V) and walks the query tiles
 // (kBlockM rows of Q and dO) that see it. Per query tile, five GEMMs:
-//   S  = Q K^T    dP = dO V^T        (kBlockM x kBlockN): the two consumer warpgroups
-//                                     split the keys, kBlockN / 2 columns each
+//   S  = Q K^T    dP = dO V^T        (kBlockM x kBlockN)
 //   dV += P^T dO  dK += dS^T Q       (kBlockN x d)
 //   dQ  = dS K                       (kBlockM x d): the warpgroups split the head dim,
 //                                     d / 2 columns each
-// P and dS go through shared memory (bf16/fp16) between the two halves, since each
-// warpgroup's dV, dK and dQ need the columns of both.
+// hdim <= 128 (kSplitKeys, 128 keys): each consumer warpgroup owns 64 keys for the first
+// four GEMMs. It computes S^T and dP^T, so P^T and dS^T stay in registers as the A
+// operands of dV and dK; only dS goes through shared memory, for dQ, which needs the
+// keys of both warpgroups.
+// hdim 192/256 (64 keys, one WGMMA's M): the warpgroups split the keys for S and dP but
+// the head dim for dV and dK, so P and dS both go through shared memory, a barrier each.
 //
-// Registers per consumer thread (240 with two consumer warpgroups): dK and dV
-// accumulators kBlockN * d / 2 / 128 fp32 each, plus S and dP, kBlockM * kBlockN / 2 / 128
-// each, plus dQ (kBlockM * d / 2 / 128) once S and dP are dead.
-//   hdim  kBlockM kBlockN   dK+dV   S+dP   dQ   smem: K,V + 2 stages of Q,dO + 2 of P,dS
-//    64     64     128       64      64    16    32 + 64 + 64 KB
-//    96     64     128       96      64    24    48 + 96 + 64 KB
-//   128     64     128      128      64    32    64 + 128 + 64 KB
-//   192     64      64       96      32    48    48 + 192 + 32 KB  (with 128 keys dK+dV+S+dP
-//   256     64      64      128      32    64    64 + 256 + 32 KB   would need 256 registers)
+// Registers per consumer thread (240 with two consumer warpgroups), fp32 accumulators:
+//   hdim  kBlockM kBlockN   dK+dV   S+dP   dQ     split keys
+//    64     64     128       64      64    16        yes
+//    96     64     128       96      64    24        yes
+//   128     64     128      128      64    32        yes
+//   192     64      64       96      32    48        no   (with 128 keys dK+dV+S+dP
+//   256     64      64      128      32    64        no    would need 256 registers)
 template <int kHeadDim>
 struct BwdTileConfig {
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = bwd_block_m(kHeadDim);
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
 };
@@ -70,26 +73,58 @@ struct BwdKernelTraits {
   static constexpr bool kDqViaSmem = kHeadDim != 256;
 #endif
 
+  // kSplitKeys (hdim <= 128): each consumer warpgroup owns kBlockN / 2 keys for all five
+  // GEMMs but dQ. It computes S^T = K Q^T and dP^T = V dO^T for its keys (rows), so P^T
+  // and dS^T come out of the accumulators already shaped as the register A operand of
+  // dV += P^T dO and dK += dS^T Q: P never goes to shared memory, and dV and dK need no
+  // barrier with the other warpgroup. Only dQ = dS K needs both halves of dS, which go
+  // through shared memory as before. (Without it, as at hdim 192/256, the warpgroups
+  // split the keys for S and dP but the head dim for dV and dK, so P and dS both go
+  // through shared memory with a barrier each: the two warpgroups run in lockstep.)
+  // Registers at hdim 128: dK + dV 128, S^T + dP^T 64, dQ 32.
+#ifdef FLASH3_BWD_SPLIT_KEYS
+  static constexpr bool kSplitKeys = FLASH3_BWD_SPLIT_KEYS && kHeadDim <= 128;
+#else
+  static constexpr bool kSplitKeys = kHeadDim <= 128;
+#endif
+  static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
+
   // Both GEMM families split a mode across the two warpgroups.
   using AtomLayoutSplitN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
+  using AtomLayoutSplitM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
 
-  // S = Q K^T and dP = dO V^T: all operands K-major (head dim contiguous).
+  // S = Q K^T and dP = dO V^T: all operands K-major (head dim contiguous). The loads
+  // tile by TileShapeSdP; with kSplitKeys the MMA computes the transposes (TileShapeSdPt,
+  // A = K or V, B = Q or dO), each warpgroup 64 of the keys.
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
-      AtomLayoutSplitN{}));
-  // dV = P^T dO and dK = dS^T Q: P^T, dS^T, dO^T and Q^T are transposed views of tiles
-  // stored K-major for the other GEMMs, i.e. MN-major operands (fine for 16-bit WGMMA).
+  using TileShapeSdPt = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;
+  using TiledMmaSdP = std::conditional_t<kSplitKeys,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+          AtomLayoutSplitM{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+          AtomLayoutSplitN{}))>;
+  // dV = P^T dO and dK = dS^T Q: dO^T and Q^T are transposed views of tiles stored
+  // K-major for the other GEMMs, i.e. MN-major operands (fine for 16-bit WGMMA). With
+  // kSplitKeys, P^T and dS^T come from registers and each warpgroup covers its keys and
+  // the whole head dim; otherwise they are MN-major views of shared memory and each
+  // warpgroup covers all keys and half the head dim.
   using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      AtomLayoutSplitN{}));
-  // dQ = dS K: dS K-major, K^T MN-major.
+  using TiledMmadKV = std::conditional_t<kSplitKeys,
+      decltype(make_tiled_mma(
+          GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          AtomLayoutSplitM{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          AtomLayoutSplitN{}))>;
+  // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+                           kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutSplitN{}));
 
   // Q, dO, K, V: (rows, d) with d contiguous. Each warpgroup reads d / 2 columns of them
@@ -117,6 +152,14 @@ struct BwdKernelTraits {
       GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSStages>>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kPdSStages>>{}, Step<_2, _1, _3>{})));
+  // kSplitKeys: only dS goes through shared memory, written from dS^T accumulators as
+  // (kBlockN, kBlockM) with queries contiguous (STSM of 8x8 blocks, as any C tile), and
+  // read by dQ as its (kBlockM, kBlockN) MN-major A operand.
+  using SmemLayoutdSt = decltype(tile_to_shape(
+      GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kPdSStages>>{}));
+  using SmemLayoutdSForDq = decltype(composition(
+      SmemLayoutdSt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSStages>>{}, Step<_2, _1, _3>{})));
+  static_assert(!kSplitKeys || kBlockM % 64 == 0, "dS^T rows are whole 128-byte swizzle atoms");
 
   // The per-row softmax statistics of a query tile: lse (log2 domain) and
   // dPsum = rowsum(dO * O), loaded by TMA beside Q and dO.
