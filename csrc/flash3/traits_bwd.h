@@ -28,7 +28,7 @@ using namespace cute;
 //
 // Registers per consumer thread (240 with two consumer warpgroups), fp32 accumulators:
 //   hdim  kBlockM kBlockN   dK+dV   S+dP   dQ     split keys
-//    64     64     128       64      64    16        yes
+//    64    128     128       64     128    32        yes
 //    96     64     128       96      64    24        yes
 //   128     64     128      128      64    32        yes
 //   192     64      64       96      32    48        no   (with 128 keys dK+dV+S+dP
