@@ -25,6 +25,10 @@ enum class NamedBarrier : int {
   // Backward (dQ in the Q/dO stages): both consumer warpgroups' GEMMs have read them.
   QdOStagesRead = 6,
   DqEmptyWG1 = 7,
+  // Backward epilogue (consumers only, after their last query tile, when dSFull is no
+  // longer used): K and V are dead, then dK and dV are staged over them. The hardware
+  // has no id left, so it shares dSFull's.
+  dKVStaging = dSFull,
 };
 static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 8 <= 16,
               "named barrier ids run past the 16 the hardware has");

@@ -1,12 +1,18 @@
-// The backward epilogue: the CTA's dK (scaled by softmax_scale) and dV to global memory,
-// straight from the accumulators, rows past seqlen_k skipped. Under GQA every query head
-// writes its own float32 dK/dV and the binding sums the heads of a group.
+// The backward epilogue: the CTA's dK (scaled by softmax_scale) and dV to global memory.
+// 16-bit outputs are staged in shared memory over K and V (dead by then) and written with
+// one TMA store each, which skips rows past seqlen_k (Traits::kTmaStoredKV; else, as for
+// float32, straight from the accumulators). Under GQA every query head writes its
+// own float32 dK/dV straight from the accumulators, and the binding sums the heads of a
+// group.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include "barriers.h"
 #include "params.h"
+#include "tma.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -19,7 +25,20 @@ struct EpilogueBwd {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
+  using SmemLayoutdKV = typename Traits::SmemLayoutK;  // staged where K and V were
+  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  static auto make_tma_dkv(Element* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_STORE{}, ptr, shape, stride, SmemLayoutdKV{}, TileShapedKV{});
+  }
+  using TmadKV = decltype(make_tma_dkv(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
+
   struct Params {
+    // 16-bit outputs (fp32_out false); with fp32_out these describe the same memory as
+    // 16-bit elements and are never used.
+    TmadKV tma_dk;
+    TmadKV tma_dv;
+    ShapeRowsHead shape_dkv;
     void* dk_ptr;
     void* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -30,7 +49,13 @@ struct EpilogueBwd {
   };
 
   static Params to_params(BwdParams const& p) {
-    return {p.dk_ptr, p.dv_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
+    int const nheads_dkv = p.dkv_is_fp32 ? p.nheads : p.nheads_k;
+    ShapeRowsHead shape_dkv = rows_head_shape(p.seqlen_k, p.headdim, nheads_dkv, p.batch);
+    return {make_tma_dkv(static_cast<Element*>(p.dk_ptr), shape_dkv,
+                         rows_head_stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride)),
+            make_tma_dkv(static_cast<Element*>(p.dv_ptr), shape_dkv,
+                         rows_head_stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)),
+            shape_dkv, p.dk_ptr, p.dv_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
             p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.seqlen_k, p.softmax_scale, p.dkv_is_fp32};
   }
 
@@ -54,9 +79,64 @@ struct EpilogueBwd {
     }
   }
 
+  // smem_k, smem_v: the CTA's K and V tiles, which both consumer warpgroups have finished
+  // reading once they pass the first barrier below.
   template <class TensordKV>
-  CUTLASS_DEVICE static void store(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
-                                   int thread_idx, int n_block, int head, int batch) {
+  CUTLASS_DEVICE static void store(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV, Element* smem_k,
+                                   Element* smem_v, int thread_idx, int n_block, int head, int batch) {
+    if constexpr (!Traits::kTmaStoredKV) {
+      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+    } else if (params.fp32_out) {
+      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+    } else {
+      store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, batch);
+    }
+  }
+
+  template <class TensordKV>
+  CUTLASS_DEVICE static void store_tma(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
+                                       Element* smem_k, Element* smem_v, int thread_idx, int n_block, int head,
+                                       int batch) {
+    constexpr int kConsumerThreads = Traits::kConsumerThreads;
+    // The last dQ GEMM of either warpgroup reads all of K: K and V are dead only when both
+    // are done.
+    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // LOCK sK, sV
+    typename Traits::TiledMmadKV tiled_mma_dkv;
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutdKV{});
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutdKV{});
+    auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_dkv);
+    auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread_idx);
+    {
+      Tensor rdK = make_tensor<Element>(tdKrdK.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) { rdK(i) = static_cast<Element>(tdKrdK(i) * params.softmax_scale); }
+      copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sdK));
+      Tensor rdV = make_tensor<Element>(tdVrdV.layout());
+      convert_into(tdVrdV, rdV);
+      copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sdV));
+    }
+    // The tiles were written through the generic proxy; TMA reads through the async proxy.
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // the whole tiles are staged
+    if (thread_idx == 0) {
+      Tensor mdK = params.tma_dk.get_tma_tensor(params.shape_dkv)(_, _, head, batch);  // (seqlen_k, d)
+      Tensor mdV = params.tma_dv.get_tma_tensor(params.shape_dkv)(_, _, head, batch);  // (seqlen_k, d)
+      Tensor gdK = local_tile(mdK, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
+      Tensor gdV = local_tile(mdV, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
+      auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK),
+                                            group_modes<0, 2>(gdK));
+      auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV),
+                                            group_modes<0, 2>(gdV));
+      copy(params.tma_dk, tdKsdK, tdKgdK);
+      copy(params.tma_dv, tdVsdV, tdVgdV);
+      cute::tma_store_arrive();
+      cute::tma_store_wait<0>();  // shared memory must outlive the stores' reads
+    }
+  }
+
+  template <class TensordKV>
+  CUTLASS_DEVICE static void store_direct(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
+                                          int thread_idx, int n_block, int head, int batch) {
     typename Traits::TiledMmadKV tiled_mma_dkv;
     auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
     Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});

@@ -123,7 +123,8 @@ struct FlashBwdKernel {
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
-      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
+                      thread_idx, n_block, head, batch);
     }
   }
 };

@@ -605,6 +605,8 @@ struct MainloopBwd {
       if (lane == 0) {
         if (semaphore != nullptr) {
           // Deterministic: the next key tile may add only once this tile's sums are done.
+          // (Handing the buffers back before that, as soon as they are read, measured
+          // 4-14% slower at 1k-16k non-causal, though up to 6% faster causal.)
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
           asm volatile("fence.proxy.async.global;" ::: "memory");
           __threadfence();

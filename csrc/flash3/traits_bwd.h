@@ -89,6 +89,11 @@ struct BwdKernelTraits {
 #endif
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
 
+  // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h), except at
+  // hdim 64, whose 128-row query tiles keep the mainloop at the 240-register limit: the
+  // staging code there made ptxas spill 8 bytes in the loop.
+  static constexpr bool kTmaStoredKV = kHeadDim != 64;
+
   // Both GEMM families split a mode across the two warpgroups.
   using AtomLayoutSplitN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
   using AtomLayoutSplitM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
