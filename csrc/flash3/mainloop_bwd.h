@@ -324,8 +324,8 @@ struct MainloopBwd {
       }
       // dV += P^T dO, P^T straight from the accumulator registers. Issued before dS is
       // computed, so that it runs under that math, where registers allow: the bf16 copy
-      // of P^T is then live beside P^T, dP^T and dS^T (kBlockM * 3 / 2 + kBlockM / 4
-      // registers more than dK and dV).
+      // of P^T (kBlockM / 4 registers) is then live beside P^T and dP^T (kBlockM / 2
+      // each; dS^T overwrites dP^T), on top of dK and dV.
       Tensor rPt = make_tensor<Element>(tStrSt.layout());
       auto issue_dv = [&] {
         convert_into(tStrSt, rPt);
@@ -556,8 +556,8 @@ struct MainloopBwd {
 
   // The dQ warp (one warp of the producer warpgroup): per query tile, waits for each
   // consumer warpgroup's half of dQ in shared memory and adds it to the workspace tile
-  // with a bulk reduction issued by one lane. Deterministic mode takes turns per query tile so that
-  // the float32 sums happen in a fixed order: the key tiles that see query tile m are
+  // with a bulk reduction issued by one lane. Deterministic mode takes turns per query
+  // tile so that the float32 sums happen in a fixed order: the key tiles that see query tile m are
   // 0..n_last(m), and they add in descending order (n_last first), each waiting until the
   // semaphore counts the tiles above it. Descending, because a key tile walks its query
   // tiles upwards from the first that sees it: tile n + 1 starts at a later query tile
