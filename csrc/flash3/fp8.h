@@ -13,6 +13,7 @@
 #include <cutlass/cutlass.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "barriers.h"
 #include "params_fp8.h"
@@ -61,41 +62,113 @@ CUTLASS_DEVICE void stsm_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32
 // SmemLayoutV: (keys, head dim, stage), head dim contiguous; SmemLayoutVt: (head dim,
 // keys, stage), keys contiguous. Both byte-addressed (8-bit elements), swizzled in 16-byte
 // units, so every 16 bytes a lane addresses are contiguous.
+//
+// Work split: a block is 16 keys x 32 head-dim columns. Warp w owns the column groups
+// w, w + kWarps, ... (or, when there are fewer column groups than warps, one column group
+// and a contiguous share of the key groups) and walks its key groups. That keeps the
+// address arithmetic out of the loop: along the keys the source offset only grows by
+// whole swizzle atoms (an immediate), and the destination's 16-key chunk index is the
+// lane's base chunk XOR the step (the step's bits are disjoint from the warp's base
+// chunk), so a step costs one LOP3. verify() checks both formulas against the layouts for
+// every thread, step and stage at compile time.
 template <class SmemLayoutV, class SmemLayoutVt, int kBlockN, int kHeadDim, int kThreads>
 struct TransposeV {
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kBlocksN = kBlockN / 16;
-  static constexpr int kBlocks = kBlocksN * (kHeadDim / 32);
+  static constexpr int kKeyGroups = kBlockN / 16;
+  static constexpr int kColGroups = kHeadDim / 32;
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "V tile must split into 16 x 32 blocks");
-  static_assert(kBlocks % kWarps == 0, "each warp transposes the same number of blocks");
+  static constexpr int kColGroupsPerWarp = kColGroups >= kWarps ? kColGroups / kWarps : 1;
+  static constexpr int kWarpsPerColGroup = kColGroups >= kWarps ? 1 : kWarps / kColGroups;
+  static constexpr int kKeyGroupsPerWarp = kKeyGroups / kWarpsPerColGroup;
+  static_assert(kColGroupsPerWarp * kWarps == kColGroups || kWarpsPerColGroup * kColGroups == kWarps,
+                "column groups must split evenly over the warps");
+  static_assert(kKeyGroupsPerWarp * kWarpsPerColGroup == kKeyGroups, "key groups must split evenly");
+  static_assert((kKeyGroupsPerWarp & (kKeyGroupsPerWarp - 1)) == 0, "a warp's key steps XOR into its base chunk");
 
-  CUTLASS_DEVICE static void run(uint8_t const* smem_v, uint8_t* smem_vt, int stage_v, int stage_vt, int thread_idx) {
+  // Which (key, column) a lane addresses for ldmatrix / stmatrix at step (s, j): matrices
+  // 0 = keys 0..7 x cols 0..15, 1 = keys 8..15 x cols 0..15, 2 and 3 the same at cols
+  // 16..31; stmatrix's matrix m holds V^T rows d0 + 16 (m / 2) + 2 r + m % 2, r = 0..7.
+  static constexpr int key_group(int warp, int s) { return (warp / (kWarps / kWarpsPerColGroup)) * kKeyGroupsPerWarp + s; }
+  static constexpr int col_group(int warp, int j) { return warp % (kWarps / kWarpsPerColGroup) + j * kWarps; }
+  static constexpr int src_offset(int lane, int warp, int s, int j, int stage) {
+    return SmemLayoutV{}(16 * key_group(warp, s) + 8 * ((lane / 8) % 2) + lane % 8,
+                         32 * col_group(warp, j) + 16 * (lane / 16), stage);
+  }
+  static constexpr int dst_offset(int lane, int warp, int s, int j, int stage) {
+    return SmemLayoutVt{}(32 * col_group(warp, j) + 16 * (lane / 16) + 2 * (lane % 8) + (lane / 8) % 2,
+                          16 * key_group(warp, s), stage);
+  }
+  // The loop's offsets, relative to the lane's (s, j, stage) = (0, 0, 0) offsets.
+  static constexpr int src_add(int s, int j) { return src_offset(0, 0, s, j, 0) - src_offset(0, 0, 0, 0, 0); }
+  static constexpr int dst_add(int j) { return dst_offset(0, 0, 0, j, 0) - dst_offset(0, 0, 0, 0, 0); }
+  static constexpr int kStageBytesV = cute::cosize_v<SmemLayoutV> / size<2>(SmemLayoutV{});
+  static constexpr int kStageBytesVt = cute::cosize_v<SmemLayoutVt> / size<2>(SmemLayoutVt{});
+
+  // One lane, every warp, step and the first two stages (the compiler bounds the work of
+  // one constant expression, so the check runs per lane).
+  static constexpr bool verify_lane(int lane) {
+    for (int warp = 0; warp < kWarps; ++warp) {
+      int const src0 = src_offset(lane, warp, 0, 0, 0);
+      int const dst0 = dst_offset(lane, warp, 0, 0, 0);
+      for (int stage = 0; stage < 2; ++stage) {
+        for (int j = 0; j < kColGroupsPerWarp; ++j) {
+          for (int s = 0; s < kKeyGroupsPerWarp; ++s) {
+            if (src_offset(lane, warp, s, j, stage) != src0 + src_add(s, j) + stage * kStageBytesV) { return false; }
+            if (dst_offset(lane, warp, s, j, stage) != ((dst0 ^ (16 * s)) + dst_add(j) + stage * kStageBytesVt)) {
+              return false;
+            }
+          }
+        }
+      }
+    }
+    return true;
+  }
+  template <int kLane>
+  struct LaneCheck {
+    static_assert(verify_lane(kLane), "the transposer's address formulas do not match the shared-memory layouts");
+    static constexpr bool value = true;
+  };
+  template <int... kLanes>
+  static constexpr bool verify(std::integer_sequence<int, kLanes...>) {
+    return (LaneCheck<kLanes>::value && ...);
+  }
+  static_assert(verify(std::make_integer_sequence<int, 32>{}));
+
+  struct Addresses {
+    uint32_t src;  // the lane's (0, 0, stage 0) ldmatrix address
+    uint32_t dst;  // the lane's (0, 0, stage 0) stmatrix offset (XORed, then based)
+  };
+  CUTLASS_DEVICE static Addresses addresses(uint8_t const* smem_v, int thread_idx) {
     int const warp = thread_idx / 32;
     int const lane = thread_idx % 32;
-    int const matrix = lane / 8;  // which 8x8 matrix this lane addresses a row of
-    int const row = lane % 8;
-    uint32_t const v_base = cast_smem_ptr_to_uint(smem_v);
-    uint32_t const vt_base = cast_smem_ptr_to_uint(smem_vt);
-    // Not unrolled: the producer runs on 32 registers, and unrolling hoists every step's
-    // addresses into registers (spills).
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int i = 0; i < kBlocks / kWarps; ++i) {
-      int const block = warp + i * kWarps;
-      int const key0 = (block % kBlocksN) * 16;
-      int const d0 = (block / kBlocksN) * 32;
-      // Matrices: 0 = keys 0..7 x cols 0..15, 1 = keys 8..15 x cols 0..15, 2 and 3 the
-      // same at cols 16..31.
-      int const src = SmemLayoutV{}(key0 + 8 * (matrix % 2) + row, d0 + 16 * (matrix / 2), stage_v);
-      uint32_t r0, r1, r2, r3;
-      ldsm_x4_trans(v_base + src, r0, r1, r2, r3);
-      uint32_t const o0 = __byte_perm(r0, r1, 0x6420);  // V^T row d0 + 2c
-      uint32_t const o1 = __byte_perm(r0, r1, 0x7531);  // V^T row d0 + 2c + 1
-      uint32_t const o2 = __byte_perm(r2, r3, 0x6420);  // V^T row d0 + 16 + 2c
-      uint32_t const o3 = __byte_perm(r2, r3, 0x7531);  // V^T row d0 + 16 + 2c + 1
-      // Matrix m of the store holds V^T rows d0 + 16 * (m / 2) + 2 * r + m % 2, r = 0..7,
-      // and keys key0 .. key0 + 15.
-      int const dst = SmemLayoutVt{}(d0 + 16 * (matrix / 2) + 2 * row + matrix % 2, key0, stage_vt);
-      stsm_x4(vt_base + dst, o0, o1, o2, o3);
+    return {cast_smem_ptr_to_uint(smem_v) + uint32_t(src_offset(lane, warp, 0, 0, 0)),
+            uint32_t(dst_offset(lane, warp, 0, 0, 0))};
+  }
+
+  // smem_vt is 1024-byte aligned and a stage is a multiple of 128 bytes, so the stage's
+  // base never touches the chunk bits (4..6) that the key step XORs: adding it before
+  // the XOR is exact, and nothing loop-invariant is left for the compiler to hoist into
+  // registers across tiles (the producer runs on 40).
+  static_assert(kStageBytesVt % 128 == 0 && kStageBytesV % 128 == 0);
+  CUTLASS_DEVICE static void run(Addresses const& addr, uint8_t* smem_vt, int stage_v, int stage_vt) {
+    uint32_t const src = addr.src + uint32_t(stage_v * kStageBytesV);
+    uint32_t const dst = cast_smem_ptr_to_uint(smem_vt) + uint32_t(stage_vt * kStageBytesVt) + addr.dst;
+    CUTE_UNROLL
+    for (int j = 0; j < kColGroupsPerWarp; ++j) {
+      // Two blocks in flight: both loads before both stores (the asm statements are
+      // volatile, so they keep this order), with 8 data registers.
+      CUTE_UNROLL
+      for (int s = 0; s < kKeyGroupsPerWarp; s += 2) {
+        uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+        ldsm_x4_trans(src + src_add(s, j), a0, a1, a2, a3);
+        if (s + 1 < kKeyGroupsPerWarp) { ldsm_x4_trans(src + src_add(s + 1, j), b0, b1, b2, b3); }
+        stsm_x4((dst ^ uint32_t(16 * s)) + dst_add(j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
+                __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));
+        if (s + 1 < kKeyGroupsPerWarp) {
+          stsm_x4((dst ^ uint32_t(16 * (s + 1))) + dst_add(j), __byte_perm(b0, b1, 0x6420),
+                  __byte_perm(b0, b1, 0x7531), __byte_perm(b2, b3, 0x6420), __byte_perm(b2, b3, 0x7531));
+        }
+      }
     }
   }
 };

@@ -107,8 +107,8 @@ struct MainloopFwdFp8 {
       ++write_v;
     }
 
-    uint8_t* smem_v = reinterpret_cast<uint8_t*>(storage.smem_v.data());
     uint8_t* smem_vt = reinterpret_cast<uint8_t*>(storage.smem_vt.data());
+    auto const transpose_addr = Traits::Transpose::addresses(reinterpret_cast<uint8_t*>(storage.smem_v.data()), thread_idx);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int n_block = n_end - 1; n_block >= 0; --n_block) {
       if (tma_thread && n_block > 0) {
@@ -122,7 +122,7 @@ struct MainloopFwdFp8 {
       __syncwarp();  // ldmatrix / stmatrix are warp-collective
       pipeline_v.consumer_wait(read_v);       // LOCK V stage (TMA landed)
       pipeline_vt.producer_acquire(write_vt);  // LOCK V^T stage (consumers done with it)
-      Traits::Transpose::run(smem_v, smem_vt, read_v.index(), write_vt.index(), thread_idx);
+      Traits::Transpose::run(transpose_addr, smem_vt, read_v.index(), write_vt.index());
       // The WGMMAs read V^T through the async proxy: make the generic-proxy stores visible.
       cutlass::arch::fence_view_async_shared();
       pipeline_vt.producer_commit(write_vt);  // UNLOCK V^T stage for the consumers
