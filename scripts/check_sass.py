@@ -10,6 +10,7 @@ kernel holds the instructions the design promises:
 
 The FP8 kernels (flash_fwd_fp8_kernel) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
 in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (stmatrix).
+Kernels built without pingpong (NO_PINGPONG, NO_PINGPONG_FP8) need no named barriers.
 
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
 time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
@@ -32,6 +33,8 @@ NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # csrc/flash3/traits.h): they have no named barriers to show.
 NO_PINGPONG = {(128, False)}
 REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
+# The same for the FP8 kernels (TileConfigFp8::kPingpong in csrc/flash3/traits_fp8.h).
+NO_PINGPONG_FP8 = {(64, False)}
 # Kernels allowed some local-memory instructions: (head dim, causal) -> the most LDL + STL
 # accepted, so that the check still fails on any new spill or a larger one. Empty: no
 # kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
@@ -41,6 +44,12 @@ KNOWN_BWD_SPILLS = {}
 def kernel_config(name: str):
     """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>."""
     match = re.search(r"KernelTraitsIN7cutlass\w+?ELi(\d+)ELb([01])E", name)
+    return (int(match.group(1)), match.group(2) == "1") if match else None
+
+
+def kernel_config_fp8(name: str):
+    """(head dim, causal) from the mangled name of flash_fwd_fp8_kernel<...KernelTraitsFp8<D, causal, N>...>."""
+    match = re.search(r"KernelTraitsFp8ILi(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
 
 
@@ -100,7 +109,8 @@ def main():
             if kind == "fp8":
                 counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
             required = [r for r in required_all
-                        if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)]
+                        if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)
+                        and not (kind == "fp8" and r in NAMED_BARRIERS and kernel_config_fp8(name) in NO_PINGPONG_FP8)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
             ok = all(counts[r] > 0 for r in required) and local <= allowed

@@ -222,7 +222,9 @@ CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
 // 448), so that small probabilities keep e4m3's normal range; the factor cancels in
 // O / rowsum.
 // ---------------------------------------------------------------------------------------
-template <int kRows>
+// kSplitChains: the row max and the row sum each run as four independent chains instead
+// of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where).
+template <int kRows, bool kSplitChains>
 struct OnlineSoftmaxFp8 {
   static constexpr float kMaxOffset = 8.f;
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // log2 domain, -inf: no key yet
@@ -243,9 +245,17 @@ struct OnlineSoftmaxFp8 {
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float tile_max = -INFINITY;
+      constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
+      constexpr int kChains = kSplitChains ? 4 : 1;
+      static_assert(kCols % kChains == 0);
+      float part[kChains];
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) { tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni)); }
+      for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) { part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, ni)); }
+      float tile_max = part[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) { tile_max = fmaxf(tile_max, part[c]); }
       tile_max = quad_allreduce(tile_max, MaxOp{}) * scale_log2;
       float const prev_shift = kFirstTile ? 0.f : shift(mi);
       bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
@@ -253,13 +263,18 @@ struct OnlineSoftmaxFp8 {
       float const cur_shift = shift(mi);
       // No visible key so far: the accumulator and the sum are 0, any factor will do.
       correction(mi) = had_keys ? exp2f(prev_shift - cur_shift) : 1.f;
-      float sum = 0.f;
+      float sums[kChains];
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+      for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) {
         float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - cur_shift);
         tSrS_rowcol(mi, ni) = p;
-        sum += p;
+        sums[ni % kChains] += p;
       }
+      float sum = sums[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) { sum += sums[c]; }
       row_sum(mi) = row_sum(mi) * correction(mi) + sum;
     }
     return correction;

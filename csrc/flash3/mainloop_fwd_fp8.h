@@ -163,7 +163,7 @@ struct MainloopFwdFp8 {
     Policy const policy{params.seqlen_q, params.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmaxFp8<kRows> softmax;
+    OnlineSoftmaxFp8<kRows, Traits::kSplitChains> softmax;
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
