@@ -69,8 +69,9 @@ CUTLASS_DEVICE void stsm_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32
 // address arithmetic out of the loop: along the keys the source offset only grows by
 // whole swizzle atoms (an immediate), and the destination's 16-key chunk index is the
 // lane's base chunk XOR the step (the step's bits are disjoint from the warp's base
-// chunk), so a step costs one LOP3. verify() checks both formulas against the layouts for
-// every thread, step and stage at compile time.
+// chunk), so a step costs one LOP3. verify_lane() checks both formulas against the
+// layouts at compile time, for every lane, warp and step and for the first two stages
+// (a stage adds a multiple of 128 bytes, asserted below).
 template <class SmemLayoutV, class SmemLayoutVt, int kBlockN, int kHeadDim, int kThreads>
 struct TransposeV {
   static constexpr int kWarps = kThreads / 32;
@@ -136,7 +137,7 @@ struct TransposeV {
 
   struct Addresses {
     uint32_t src;  // the lane's (0, 0, stage 0) ldmatrix address
-    uint32_t dst;  // the lane's (0, 0, stage 0) stmatrix offset (XORed, then based)
+    uint32_t dst;  // the lane's (0, 0, stage 0) stmatrix offset within V^T; run() adds the base
   };
   CUTLASS_DEVICE static Addresses addresses(uint8_t const* smem_v, int thread_idx) {
     int const warp = thread_idx / 32;
