@@ -42,14 +42,9 @@ KNOWN_BWD_SPILLS = {}
 
 
 def kernel_config(name: str):
-    """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>."""
-    match = re.search(r"KernelTraitsIN7cutlass\w+?ELi(\d+)ELb([01])E", name)
-    return (int(match.group(1)), match.group(2) == "1") if match else None
-
-
-def kernel_config_fp8(name: str):
-    """(head dim, causal) from the mangled name of flash_fwd_fp8_kernel<...KernelTraitsFp8<D, causal, N>...>."""
-    match = re.search(r"KernelTraitsFp8ILi(\d+)ELb([01])E", name)
+    """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>
+    or flash_fwd_fp8_kernel<...KernelTraitsFp8<D, causal, N>...>."""
+    match = re.search(r"KernelTraits(?:Fp8I|IN7cutlass\w+?E)Li(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
 
 
@@ -108,9 +103,9 @@ def main():
             counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN + INFO}
             if kind == "fp8":
                 counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
+            no_pingpong = {"fwd": NO_PINGPONG, "fp8": NO_PINGPONG_FP8}.get(kind, set())
             required = [r for r in required_all
-                        if not (kind == "fwd" and r in NAMED_BARRIERS and kernel_config(name) in NO_PINGPONG)
-                        and not (kind == "fp8" and r in NAMED_BARRIERS and kernel_config_fp8(name) in NO_PINGPONG_FP8)]
+                        if not (r in NAMED_BARRIERS and kernel_config(name) in no_pingpong)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
             ok = all(counts[r] > 0 for r in required) and local <= allowed
