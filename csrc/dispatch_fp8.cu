@@ -42,20 +42,27 @@ struct FwdFp8Entry {
   int headdim;
   bool causal;
   FwdFp8Launcher launch;
-  int block_n = 0;  // 0: the default tile; else an alternative, chosen by FLASH3_FP8_BLOCK_N
+  int block_n;           // the key tile, for FLASH3_FP8_BLOCK_N
+  int min_seqlen_k = 0;  // the default kernel is the matching entry with the largest min_seqlen_k <= seqlen_k
+  bool alternative = false;  // only run when FLASH3_FP8_BLOCK_N asks for it (A/B runs)
 };
 
 // clang-format off
 FwdFp8Entry const kFwdFp8Table[] = {
-  //  hdim  causal  kernel
-  {   64,  false, fwd_fp8< 64, NoMask>()},
-  {   64,  true,  fwd_fp8< 64, CausalMask>()},
-  {  128,  false, fwd_fp8<128, NoMask>()},
-  {  128,  true,  fwd_fp8<128, CausalMask>()},
-  {  256,  false, fwd_fp8<256, NoMask>()},
-  {  256,  true,  fwd_fp8<256, CausalMask>()},
-  // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 128>(), 128}
-  // with FLASH3_FP8_BLOCK_N=128 (and the instantiation from generate.py's FP8_ALT_BLOCK_N).
+  //  hdim  causal  kernel                          key tile  from seqlen_k
+  {   64,  false, fwd_fp8< 64, NoMask>(),             128},
+  {   64,  true,  fwd_fp8< 64, CausalMask>(),         128},
+  {  128,  false, fwd_fp8<128, NoMask>(),             128},
+  {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
+  // hdim 128: 192-key tiles from 2k keys, +4..+13% there; 5-11% slower at 512-1k (H200
+  // A/B, session 6; V's scale in the exponent makes tiles across scale blocks exact).
+  {  128,  false, fwd_fp8<128, NoMask, 192>(),        192,  2048},
+  {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
+  {  256,  false, fwd_fp8<256, NoMask>(),             128},
+  {  256,  true,  fwd_fp8<256, CausalMask>(),         128},
+  // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, true}
+  // with FLASH3_FP8_BLOCK_N=96 (or -1 for every alternative) and the instantiation from
+  // generate.py's FP8_EXTRA_BLOCK_N.
 };
 // clang-format on
 
@@ -64,13 +71,16 @@ FwdFp8Entry const kFwdFp8Table[] = {
 std::vector<Fp8KernelInfo> built_kernels_fp8() {
   std::vector<Fp8KernelInfo> kernels;
   for (auto const& entry : kFwdFp8Table) {
-    if (entry.launch != nullptr && entry.block_n == 0) { kernels.push_back({entry.headdim, entry.causal}); }
+    if (entry.launch != nullptr && !entry.alternative && entry.min_seqlen_k == 0) {
+      kernels.push_back({entry.headdim, entry.causal});
+    }
   }
   return kernels;
 }
 
-// FLASH3_FP8_BLOCK_N (read once): run the alternative key tile where one is built.
-static int alternative_block_n() {
+// FLASH3_FP8_BLOCK_N (read once): run the kernel with that key tile where one is built
+// (at any seqlen_k), -1: any alternative; unset or 0: the default choice.
+static int forced_block_n() {
   static int const value = [] {
     char const* env = std::getenv("FLASH3_FP8_BLOCK_N");
     return env != nullptr ? std::atoi(env) : 0;
@@ -79,17 +89,22 @@ static int alternative_block_n() {
 }
 
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
-  int const alt = alternative_block_n();
-  for (int pass = 0; pass < 2; ++pass) {
-    int const block_n = pass == 0 ? alt : 0;
-    for (auto const& entry : kFwdFp8Table) {
-      if (entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr && entry.block_n == block_n) {
-        *err = entry.launch(params, stream);
-        return true;
-      }
+  int const forced = forced_block_n();
+  FwdFp8Entry const* chosen = nullptr;
+  for (auto const& entry : kFwdFp8Table) {
+    if (entry.headdim != headdim || entry.causal != causal || entry.launch == nullptr) { continue; }
+    if ((forced == -1 && entry.alternative) || (forced > 0 && entry.block_n == forced)) {
+      chosen = &entry;
+      break;
+    }
+    if (!entry.alternative && entry.min_seqlen_k <= params.base.seqlen_k &&
+        (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k)) {
+      chosen = &entry;
     }
   }
-  return false;
+  if (chosen == nullptr) { return false; }
+  *err = chosen->launch(params, stream);
+  return true;
 }
 
 }  // namespace flash3

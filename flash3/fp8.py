@@ -11,8 +11,9 @@ Three accuracy measures, all applied before the kernel sees the data and undone 
 
 * **Block quantisation.** One float32 scale per block of 64 query rows (``Q_BLOCK``) and per
   128 keys (``K_BLOCK``) of each head, ``x ~= x8 * scale`` with ``scale = amax / 448``. The
-  kernel folds ``q_scale * k_scale`` of each key tile into the softmax scale, and V's scale
-  into the output accumulator's rescale (cost: none per element).
+  kernel folds ``q_scale * k_scale`` of each key block into the softmax scale, and V's
+  scale into the exponent (P carries it; cost: none per element), so that a key tile may
+  span scale blocks.
 * **Incoherent processing.** Q and K are both multiplied by ``M = diag(s) H / sqrt(d)``
   (``s`` random signs, ``H`` the Sylvester Hadamard matrix) along the head dim. ``M`` is
   orthogonal, so ``(Q M)(K M)^T = Q K^T``; the rotation spreads an outlier channel over all
@@ -268,19 +269,26 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 def emulate(t: FP8Tensors, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
             heads_per_chunk: int = 4) -> torch.Tensor:
     """float64 attention of the dequantised inputs, with P rounded to e4m3 as the kernel
-    does (``P * 2**8`` cast to e4m3; the row sum of the unrounded P). Returns (b, sq, h, d)."""
+    does: V's scale is folded into the exponent, ``P = exp(s - max_w) * v_scale * 2**8``
+    with ``max_w`` the row max of ``s + log(v_scale)``, cast to e4m3 and multiplied by the
+    raw e4m3 V; the row sum adds the unrounded ``P / v_scale`` (csrc/flash3/fp8.h). The
+    row max is the whole row's, not the kernel's running one. Returns (b, sq, h, d)."""
     from .reference import causal_mask
 
     q = dequantize(t.q, t.q_scale, Q_BLOCK)
     k = dequantize(t.k, t.k_scale, K_BLOCK)
-    v = dequantize(t.v, t.v_scale, K_BLOCK)
+    v8 = t.v.double()
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    # V's scale per key, (b, sk, hk); a zero scale is taken as 2^-64, as in the kernel.
+    v_key = t.v_scale.permute(0, 2, 1).double().repeat_interleave(K_BLOCK, dim=1)[:, :sk].clamp_min(2.0**-64)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if hk != h:
         k = k.repeat_interleave(h // hk, dim=2)
-        v = v.repeat_interleave(h // hk, dim=2)
+        v8 = v8.repeat_interleave(h // hk, dim=2)
+        v_key = v_key.repeat_interleave(h // hk, dim=2)
+    log_v = v_key.log().permute(0, 2, 1)[:, :, None, :]  # (b, h, 1, sk)
     mask = causal_mask(sq, sk, device=q.device) if causal else None
     out = torch.empty(b, sq, h, d, dtype=torch.float64, device=q.device)
     for h0 in range(0, h, heads_per_chunk):
@@ -288,12 +296,13 @@ def emulate(t: FP8Tensors, causal: bool = False, softmax_scale: float | None = N
         s = torch.einsum("bqhd,bkhd->bhqk", q[:, :, hs], k[:, :, hs]) * softmax_scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
+        w = s + log_v[:, hs]
+        m = w.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m) * 2.0**P_OFFSET
-        denom = p.sum(dim=-1, keepdim=True)
+        p = torch.exp(w - m) * 2.0**P_OFFSET
+        denom = (p * torch.exp(-log_v[:, hs])).sum(dim=-1, keepdim=True)
         if round_p:
             p = p.to(torch.float8_e4m3fn).double()
-        o = torch.einsum("bhqk,bkhd->bqhd", p, v[:, :, hs]) / denom.permute(0, 2, 1, 3).clamp_min(1e-300)
+        o = torch.einsum("bhqk,bkhd->bqhd", p, v8[:, :, hs]) / denom.permute(0, 2, 1, 3).clamp_min(1e-300)
         out[:, :, hs] = o
     return out

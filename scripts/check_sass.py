@@ -13,7 +13,7 @@ in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (st
 Kernels built without pingpong (NO_PINGPONG, NO_PINGPONG_FP8) need no named barriers.
 
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
-time). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
+time), except the few known ones listed in KNOWN_BWD_SPILLS / KNOWN_FP8_SPILLS. Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
 from Triton's wheel.
 """
 import argparse
@@ -39,6 +39,11 @@ NO_PINGPONG_FP8 = {(64, False)}
 # accepted, so that the check still fails on any new spill or a larger one. Empty: no
 # kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
 KNOWN_BWD_SPILLS = {}
+# The FP8 hdim 256 kernels (128-key tiles) need all 240 registers per consumer thread for
+# O, S and P and keep a few tile constants (scale offsets, the pingpong barrier id) in
+# local memory, about eight L1 accesses per key tile; the producer (24 registers) a few
+# per tile. The spill-free 96-key tile measured 4-21% slower (benchmarks/NOTES.md).
+KNOWN_FP8_SPILLS = {(256, False): 32, (256, True): 17}
 
 
 def kernel_config(name: str):
@@ -107,7 +112,7 @@ def main():
             required = [r for r in required_all
                         if not (r in NAMED_BARRIERS and kernel_config(name) in no_pingpong)]
             local = sum(counts[f] for f in FORBIDDEN)
-            allowed = KNOWN_BWD_SPILLS.get(kernel_config(name), 0) if kind == "bwd" else 0
+            allowed = {"bwd": KNOWN_BWD_SPILLS, "fp8": KNOWN_FP8_SPILLS}.get(kind, {}).get(kernel_config(name), 0)
             ok = all(counts[r] > 0 for r in required) and local <= allowed
             failed |= not ok
             if kind == "fp8":

@@ -186,16 +186,19 @@ def test_fp8_kernel(seed, d, causal, sq, sk):
 
 @gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_fp8_kernel_gqa_and_varying_scales(seed, d):
+@pytest.mark.parametrize("sk", [700, 2300])
+def test_fp8_kernel_gqa_and_varying_scales(seed, d, sk):
     """GQA (4 query heads per K/V head) and key blocks of very different magnitude, so that
-    the per-tile K and V scales (and their ratios in the O rescale) matter."""
+    the per-block K and V scales matter, within a key tile too (hdim 128 runs 192-key
+    tiles over 128-key scale blocks from 2k keys)."""
     _skip_unless_built(d, False)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    sq, sk = 300, 700
+    sq = 300
     q = torch.randn(1, sq, 8, d, device="cuda", generator=g)
     k = torch.randn(1, sk, 2, d, device="cuda", generator=g)
     v = torch.randn(1, sk, 2, d, device="cuda", generator=g)
-    gain = torch.tensor([0.01, 1.0, 30.0, 0.3, 5.0, 100.0], device="cuda").repeat_interleave(128)[:sk]
+    gain = torch.tensor([0.01, 1.0, 30.0, 0.3, 5.0, 100.0], device="cuda").repeat(-(-sk // 768))
+    gain = gain.repeat_interleave(128)[:sk]
     k = k * gain[None, :, None, None]
     v = v * gain.flip(0)[None, :, None, None]
     t = fp8.quantize(q.bfloat16(), k.bfloat16(), v.bfloat16())

@@ -72,8 +72,11 @@ CUTLASS_DEVICE void stsm_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32
 // chunk), so a step costs one LOP3. verify_lane() checks both formulas against the
 // layouts at compile time, for every lane, warp and step and for the first two stages
 // (a stage adds a multiple of 128 bytes, asserted below).
-template <class SmemLayoutV, class SmemLayoutVt, int kBlockN, int kHeadDim, int kThreads>
+// kInFlight: 16 x 32 blocks loaded before the first is stored (2 needs 40 registers per
+// producer thread, 1 fits in 24).
+template <class SmemLayoutV, class SmemLayoutVt, int kBlockN, int kHeadDim, int kThreads, int kInFlight = 2>
 struct TransposeV {
+  static_assert(kInFlight == 1 || kInFlight == 2);
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kKeyGroups = kBlockN / 16;
   static constexpr int kColGroups = kHeadDim / 32;
@@ -84,7 +87,21 @@ struct TransposeV {
   static_assert(kColGroupsPerWarp * kWarps == kColGroups || kWarpsPerColGroup * kColGroups == kWarps,
                 "column groups must split evenly over the warps");
   static_assert(kKeyGroupsPerWarp * kWarpsPerColGroup == kKeyGroups, "key groups must split evenly");
-  static_assert((kKeyGroupsPerWarp & (kKeyGroupsPerWarp - 1)) == 0, "a warp's key steps XOR into its base chunk");
+  // A V^T swizzle atom's row (128 or 64 bytes) holds kChunksPerRow chunks of 16 keys; a
+  // warp's key steps XOR into its base chunk within a row, and steps past the row move to
+  // the next swizzle atom along the keys, a whole-atom (immediate) offset.
+  static constexpr int chunks_per_row() {
+    int chunks = 1;
+    while (16 * chunks < kBlockN && SmemLayoutVt{}(0, 16 * chunks, 0) - SmemLayoutVt{}(0, 0, 0) == 16 * chunks) {
+      ++chunks;
+    }
+    return chunks;
+  }
+  static constexpr int kChunksPerRow = chunks_per_row();
+  static_assert((kChunksPerRow & (kChunksPerRow - 1)) == 0, "a swizzle atom's row holds a power of two of chunks");
+  static_assert(kKeyGroupsPerWarp % kChunksPerRow == 0 ||
+                    (kKeyGroupsPerWarp < kChunksPerRow && (kKeyGroupsPerWarp & (kKeyGroupsPerWarp - 1)) == 0),
+                "a warp's key steps XOR into its base chunk");
 
   // Which (key, column) a lane addresses for ldmatrix / stmatrix at step (s, j): matrices
   // 0 = keys 0..7 x cols 0..15, 1 = keys 8..15 x cols 0..15, 2 and 3 the same at cols
@@ -101,7 +118,10 @@ struct TransposeV {
   }
   // The loop's offsets, relative to the lane's (s, j, stage) = (0, 0, 0) offsets.
   static constexpr int src_add(int s, int j) { return src_offset(0, 0, s, j, 0) - src_offset(0, 0, 0, 0, 0); }
-  static constexpr int dst_add(int j) { return dst_offset(0, 0, 0, j, 0) - dst_offset(0, 0, 0, 0, 0); }
+  static constexpr int dst_add(int s, int j) {
+    return dst_offset(0, 0, s - s % kChunksPerRow, j, 0) - dst_offset(0, 0, 0, 0, 0);
+  }
+  static constexpr uint32_t dst_xor(int s) { return uint32_t(16 * (s % kChunksPerRow)); }
   static constexpr int kStageBytesV = cute::cosize_v<SmemLayoutV> / size<2>(SmemLayoutV{});
   static constexpr int kStageBytesVt = cute::cosize_v<SmemLayoutVt> / size<2>(SmemLayoutVt{});
 
@@ -115,7 +135,7 @@ struct TransposeV {
         for (int j = 0; j < kColGroupsPerWarp; ++j) {
           for (int s = 0; s < kKeyGroupsPerWarp; ++s) {
             if (src_offset(lane, warp, s, j, stage) != src0 + src_add(s, j) + stage * kStageBytesV) { return false; }
-            if (dst_offset(lane, warp, s, j, stage) != ((dst0 ^ (16 * s)) + dst_add(j) + stage * kStageBytesVt)) {
+            if (dst_offset(lane, warp, s, j, stage) != int((dst0 ^ dst_xor(s)) + dst_add(s, j) + stage * kStageBytesVt)) {
               return false;
             }
           }
@@ -156,17 +176,22 @@ struct TransposeV {
     uint32_t const dst = cast_smem_ptr_to_uint(smem_vt) + uint32_t(stage_vt * kStageBytesVt) + addr.dst;
     CUTE_UNROLL
     for (int j = 0; j < kColGroupsPerWarp; ++j) {
-      // Two blocks in flight: both loads before both stores (the asm statements are
-      // volatile, so they keep this order), with 8 data registers.
+      // kInFlight == 2: both loads before both stores (the asm statements are volatile, so
+      // they keep this order), with 8 data registers; kInFlight == 1: load, store.
       CUTE_UNROLL
-      for (int s = 0; s < kKeyGroupsPerWarp; s += 2) {
+      for (int s = 0; s < kKeyGroupsPerWarp; s += kInFlight) {
         uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
         ldsm_x4_trans(src + src_add(s, j), a0, a1, a2, a3);
+        if (kInFlight == 1) {
+          stsm_x4((dst ^ dst_xor(s)) + dst_add(s, j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
+                  __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));
+          continue;
+        }
         if (s + 1 < kKeyGroupsPerWarp) { ldsm_x4_trans(src + src_add(s + 1, j), b0, b1, b2, b3); }
-        stsm_x4((dst ^ uint32_t(16 * s)) + dst_add(j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
+        stsm_x4((dst ^ dst_xor(s)) + dst_add(s, j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
                 __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));
         if (s + 1 < kKeyGroupsPerWarp) {
-          stsm_x4((dst ^ uint32_t(16 * (s + 1))) + dst_add(j), __byte_perm(b0, b1, 0x6420),
+          stsm_x4((dst ^ dst_xor(s + 1)) + dst_add(s + 1, j), __byte_perm(b0, b1, 0x6420),
                   __byte_perm(b0, b1, 0x7531), __byte_perm(b2, b3, 0x6420), __byte_perm(b2, b3, 0x7531));
         }
       }
@@ -213,22 +238,29 @@ CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Online softmax with a scale per key tile.
+// Online softmax with K and V scales per key block, V's folded into the exponent.
 //
-// S as computed is Q8 K8^T; the true scores are s = q_scale * k_scale(tile) * S. The
-// factor c = softmax_scale * log2(e) * q_scale * k_scale(tile) turns raw scores into the
-// log2 domain, and the running max is kept there (comparable across tiles with different
-// scales): max commutes with a positive scale, so each exponent stays one FFMA,
-// exp2(S * c - max). P is computed as 2^kMaxOffset times its value (<= 256, within e4m3's
-// 448), so that small probabilities keep e4m3's normal range; the factor cancels in
-// O / rowsum.
+// S as computed is Q8 K8^T. A key tile splits into kGroups column groups, each within one
+// K/V scale block (one group when the tile lies in one block). In group g the factor
+// c_g = softmax_scale * log2(e) * q_scale * k_scale(g) turns raw scores into true scores
+// in the log2 domain, t = S * c_g. The running max is kept over the *V-weighted* scores
+// w = t + log2 v_scale(g), and
+//   P = 2^(w - max_w + kMaxOffset) = 2^(t - max_w + kMaxOffset) * v_scale(g)   (<= 256)
+// goes to the PV GEMM with the raw V8, so O = sum P V8 carries V's scale already, and
+// the row sum adds P / v_scale(g) (the true exponentials, same factor). out = O / sum:
+// V's scale never touches O, and a tile may span V scale blocks at no cost in accuracy:
+// the largest P V products of a row get e4m3's full range. (Scaling P of a group by
+// v_scale(g) / v_ref instead pushes small products into e4m3's subnormals: on the Table 3
+// inputs that costs 5% RMSE with 192-key tiles over 128-key scale blocks, emulated and
+// measured.) 2^kMaxOffset keeps small probabilities within e4m3's normal range; it
+// cancels in O / sum. Each exponent is one FFMA, exp2(S * c_g - (shift - log2 v_scale(g))).
 // ---------------------------------------------------------------------------------------
 // kSplitChains: the row max and the row sum each run as four independent chains instead
 // of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where).
 template <int kRows, bool kSplitChains>
 struct OnlineSoftmaxFp8 {
   static constexpr float kMaxOffset = 8.f;
-  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // log2 domain, -inf: no key yet
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // V-weighted, log2 domain; -inf: no key yet
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
 
   CUTLASS_DEVICE OnlineSoftmaxFp8() {
@@ -240,57 +272,75 @@ struct OnlineSoftmaxFp8 {
   // so that exp2(-inf - 0) = 0 rather than NaN.
   CUTLASS_DEVICE float shift(int mi) const { return row_max(mi) == -INFINITY ? 0.f : row_max(mi) - kMaxOffset; }
 
-  template <bool kFirstTile, class TensorS>
-  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float scale_log2) {
+  // Column ni of the row-col view is key 8 (ni / 2) + 2 q + ni % 2 of the tile, so group g
+  // holds the columns [g, g + 1) * kCols / kGroups. Returns the O rescale per row.
+  template <bool kFirstTile, int kGroups, class TensorS>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float const (&scale_log2)[kGroups],
+                                    float const (&log2_v)[kGroups], float const (&inv_v)[kGroups]) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
+    constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
+    static_assert(kCols % kGroups == 0);
+    constexpr int kGroupCols = kCols / kGroups;
+    constexpr int kChains = kSplitChains ? 4 : 1;
+    static_assert(kGroupCols % kChains == 0);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
-      constexpr int kChains = kSplitChains ? 4 : 1;
-      static_assert(kCols % kChains == 0);
-      float part[kChains];
+      float tile_max = -INFINITY;
       CUTE_UNROLL
-      for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
-      CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) { part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, ni)); }
-      float tile_max = part[0];
-      CUTE_UNROLL
-      for (int c = 1; c < kChains; ++c) { tile_max = fmaxf(tile_max, part[c]); }
-      tile_max = quad_allreduce(tile_max, MaxOp{}) * scale_log2;
+      for (int g = 0; g < kGroups; ++g) {
+        float part[kChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
+        CUTE_UNROLL
+        for (int ni = 0; ni < kGroupCols; ++ni) {
+          part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
+        }
+        float group_max = part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
+        tile_max = fmaxf(tile_max, fmaf(group_max, scale_log2[g], log2_v[g]));
+      }
+      tile_max = quad_allreduce(tile_max, MaxOp{});
       float const prev_shift = kFirstTile ? 0.f : shift(mi);
       bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
       row_max(mi) = fmaxf(row_max(mi), tile_max);
       float const cur_shift = shift(mi);
       // No visible key so far: the accumulator and the sum are 0, any factor will do.
       correction(mi) = had_keys ? exp2f(prev_shift - cur_shift) : 1.f;
-      float sums[kChains];
+      float sum = 0.f;
       CUTE_UNROLL
-      for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
-      CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - cur_shift);
-        tSrS_rowcol(mi, ni) = p;
-        sums[ni % kChains] += p;
+      for (int g = 0; g < kGroups; ++g) {
+        float const group_shift = cur_shift - log2_v[g];
+        float sums[kChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
+        CUTE_UNROLL
+        for (int ni = 0; ni < kGroupCols; ++ni) {
+          float const p = exp2f(tSrS_rowcol(mi, g * kGroupCols + ni) * scale_log2[g] - group_shift);
+          tSrS_rowcol(mi, g * kGroupCols + ni) = p;
+          sums[ni % kChains] += p;
+        }
+        float group_sum = sums[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kChains; ++c) { group_sum += sums[c]; }
+        sum = fmaf(group_sum, inv_v[g], sum);
       }
-      float sum = sums[0];
-      CUTE_UNROLL
-      for (int c = 1; c < kChains; ++c) { sum += sums[c]; }
       row_sum(mi) = row_sum(mi) * correction(mi) + sum;
     }
     return correction;
   }
 
-  // O accumulates in units of the current V tile's scale; finalize multiplies by it and
-  // divides by the row sums. Returns the natural-log logsumexp (-inf for an empty row).
+  // O / row sum (V's scale is inside both). Returns the natural-log logsumexp of the true
+  // scores (-inf for an empty row): log2 of it is max_w - kMaxOffset + log2(sum).
   template <class TensorO>
-  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float v_scale) {
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol) {
     Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const sum = quad_allreduce(row_sum(mi), SumOp{});
       bool const empty = sum == 0.f || sum != sum;
-      float const factor = empty ? 0.f : v_scale / sum;
+      float const factor = empty ? 0.f : 1.f / sum;
       lse(mi) = empty ? -INFINITY : (row_max(mi) - kMaxOffset) * 0.693147180559945309f + __logf(sum);
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= factor; }

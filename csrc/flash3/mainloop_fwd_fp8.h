@@ -4,6 +4,8 @@
 // overlapped schedule as the 16-bit mainloop (mainloop_fwd.h), plus the block scales.
 #pragma once
 
+#include <numeric>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
@@ -38,6 +40,17 @@ struct MainloopFwdFp8 {
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
 
   using Loads = FwdLoadsTma<Traits>;  // tma.h; V is staged with K's layout, then transposed (fp8.h)
+
+  // Key tiles and K/V scale blocks: a tile within one block has one (K, V) scale pair;
+  // otherwise it splits into groups of kScaleGroupKeys keys, each within one block (the
+  // softmax folds V's scale into the exponent, so any split costs no accuracy; fp8.h).
+  static constexpr int kScaleGroupKeys = std::gcd(kBlockN, kScaleBlockK);
+  static constexpr int kScaleGroups = kBlockN / kScaleGroupKeys;
+  struct GroupScales {
+    float qk_log2[kScaleGroups];  // softmax_scale * log2(e) * q_scale * k_scale(group)
+    float log2_v[kScaleGroups];   // log2 v_scale(group)
+    float inv_v[kScaleGroups];    // 1 / v_scale(group)
+  };
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -74,9 +87,8 @@ struct MainloopFwdFp8 {
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
                                   PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineVt& pipeline_vt,
-                                  PipelineState& write_k, PipelineState& write_v, PipelineState& read_v,
-                                  PipelineState& write_vt, int m_block, int head, int batch,
-                                  bool tma_thread, int thread_idx) {
+                                  PipelineState& write_kv, PipelineState& transpose, int m_block, int head,
+                                  int batch, bool tma_thread, int thread_idx) {
     int const n_end = n_block_end(params, m_block);
     if (n_end <= 0) { return; }
     int const head_kv = head / params.head_group;
@@ -94,41 +106,50 @@ struct MainloopFwdFp8 {
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
+    // write_kv: the K and the V stage written next (K and V advance together). transpose:
+    // the V stage the transposer reads next and the V^T stage it writes (also together;
+    // kernel_fwd_fp8.h).
     if (tma_thread) {
-      pipeline_k.producer_acquire(write_k);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_end - 1), tKsK(_, write_k.index()));
-      ++write_k;
+      pipeline_k.producer_acquire(write_kv);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_kv)), tKgK(_, n_end - 1), tKsK(_, write_kv.index()));
       barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
       barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
       copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
            tQgQ, tQsQ);
-      pipeline_v.producer_acquire(write_v);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_end - 1), tVsV(_, write_v.index()));
-      ++write_v;
+      pipeline_v.producer_acquire(write_kv);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_kv)), tVgV(_, n_end - 1), tVsV(_, write_kv.index()));
     }
+    ++write_kv;
 
     uint8_t* smem_vt = reinterpret_cast<uint8_t*>(storage.smem_vt.data());
-    auto const transpose_addr = Traits::Transpose::addresses(reinterpret_cast<uint8_t*>(storage.smem_v.data()), thread_idx);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int n_block = n_end - 1; n_block >= 0; --n_block) {
-      if (tma_thread && n_block > 0) {
-        pipeline_k.producer_acquire(write_k);
-        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block - 1), tKsK(_, write_k.index()));
-        ++write_k;
-        pipeline_v.producer_acquire(write_v);
-        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block - 1), tVsV(_, write_v.index()));
-        ++write_v;
+      if (n_block > 0) {
+        if (tma_thread) {
+          pipeline_k.producer_acquire(write_kv);
+          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_kv)), tKgK(_, n_block - 1),
+               tKsK(_, write_kv.index()));
+          pipeline_v.producer_acquire(write_kv);
+          copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_kv)), tVgV(_, n_block - 1),
+               tVsV(_, write_kv.index()));
+        }
+        ++write_kv;
       }
       __syncwarp();  // ldmatrix / stmatrix are warp-collective
-      pipeline_v.consumer_wait(read_v);       // LOCK V stage (TMA landed)
-      pipeline_vt.producer_acquire(write_vt);  // LOCK V^T stage (consumers done with it)
-      Traits::Transpose::run(transpose_addr, smem_vt, read_v.index(), write_vt.index());
+      // transpose is a producer state of V^T (its phase starts at 1); as a consumer state
+      // of V the same stage has the other phase.
+      PipelineState const read_v(transpose.index(), transpose.phase() ^ 1, transpose.count());
+      pipeline_v.consumer_wait(read_v);         // LOCK V stage (TMA landed)
+      pipeline_vt.producer_acquire(transpose);  // LOCK V^T stage (consumers done with it)
+      // The lane's addresses are written at their use (a few instructions); where registers
+      // allow, the compiler hoists them out of the loop.
+      Traits::Transpose::run(Traits::Transpose::addresses(reinterpret_cast<uint8_t*>(storage.smem_v.data()), thread_idx),
+                             smem_vt, transpose.index(), transpose.index());
       // The WGMMAs read V^T through the async proxy: make the generic-proxy stores visible.
       cutlass::arch::fence_view_async_shared();
-      pipeline_vt.producer_commit(write_vt);  // UNLOCK V^T stage for the consumers
-      ++write_vt;
-      pipeline_v.consumer_release(read_v);  // UNLOCK V stage for the next TMA
-      ++read_v;
+      pipeline_vt.producer_commit(transpose);  // UNLOCK V^T stage for the consumers
+      pipeline_v.consumer_release(transpose);  // UNLOCK V stage for the next TMA
+      ++transpose;
     }
   }
 
@@ -169,25 +190,39 @@ struct MainloopFwdFp8 {
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
     if (n_end <= 0) {
       clear(tOrO);
-      return softmax.finalize(tOrO_rowcol, 0.f);
+      return softmax.finalize(tOrO_rowcol);
     }
     PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong> const turns{warpgroup};
     turns.start();
 
     // Scales: this warpgroup's 64 query rows share one (a warpgroup wholly past seqlen_q
-    // reads none); each key tile lies in one K and one V scale block.
+    // reads none); each group of a key tile lies in one K and one V scale block.
     int const head_kv = head / params.head_group;
     int const q_block = (m_block * kBlockM) / kScaleBlockQ + warpgroup;
     float const q_scale = q_block < params.q_scale.num_blocks
                               ? params.q_scale.head_ptr(batch, head)[q_block * params.q_scale.block_stride]
                               : 1.f;
-    float const* k_scales = params.k_scale.head_ptr(batch, head_kv);
-    float const* v_scales = params.v_scale.head_ptr(batch, head_kv);
-    // 32-bit: a scale tensor has fewer than 2^31 blocks per head (registers are tight).
-    int const k_block_stride = int(params.k_scale.block_stride);
-    int const v_block_stride = int(params.v_scale.block_stride);
-    auto scale_block = [](int n_block) { return (n_block * kBlockN) / kScaleBlockK; };
     float const qk_scale_log2 = params.softmax_scale_log2 * q_scale;
+    // K/V scales: the pointers and strides stay in the kernel parameters (constant memory)
+    // and only two 32-bit offsets in registers (hdim 256 needs 240 per thread for O, S
+    // and P; 64-bit pointers kept live across the loop spilled there). Scale tensors hold
+    // fewer than 2^31 elements. Groups wholly past seqlen_k (masked) read the last block.
+    // A V scale of 0 (only a caller's own scales can hold one) is taken as 2^-64, so that
+    // P / v stays finite.
+    int const k_head_offset = int(batch * params.k_scale.batch_stride + head_kv * params.k_scale.head_stride);
+    int const v_head_offset = int(batch * params.v_scale.batch_stride + head_kv * params.v_scale.head_stride);
+    auto group_scales = [&](int n_block) {
+      GroupScales t;
+      CUTE_UNROLL
+      for (int g = 0; g < kScaleGroups; ++g) {
+        int const block = min((n_block * kBlockN + g * kScaleGroupKeys) / kScaleBlockK, params.k_scale.num_blocks - 1);
+        t.qk_log2[g] = qk_scale_log2 * params.k_scale.ptr[k_head_offset + block * int(params.k_scale.block_stride)];
+        float const v = fmaxf(params.v_scale.ptr[v_head_offset + block * int(params.v_scale.block_stride)], 0x1p-64f);
+        t.log2_v[g] = __log2f(v);
+        t.inv_v[g] = __fdividef(1.f, v);
+      }
+      return t;
+    };
 
     auto compute_scores = [&](auto& tSrS, int n_block) {
       Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
@@ -196,8 +231,7 @@ struct MainloopFwdFp8 {
     };
 
     int n_block = n_end - 1;
-    float k_scale = k_scales[scale_block(n_block) * k_block_stride];
-    float v_scale = v_scales[scale_block(n_block) * v_block_stride];  // O's current unit
+    GroupScales tile_scales = group_scales(n_block);
 
     barrier_q_full.wait(q_phase);
 
@@ -213,7 +247,8 @@ struct MainloopFwdFp8 {
     if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
-      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, qk_scale_log2 * k_scale);
+      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, tile_scales.qk_log2, tile_scales.log2_v,
+                                                          tile_scales.inv_v);
     }
     // P in e4m3, in the register order of the PV WGMMA's A operand.
     Tensor tOrP = make_tensor<Element>(partition_shape_A(tiled_mma_pv, select<0, 2>(typename Traits::TileShapePV{})));
@@ -222,9 +257,7 @@ struct MainloopFwdFp8 {
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= 0; --n_block) {
-      int const block = scale_block(n_block);
-      k_scale = k_scales[block * k_block_stride];
-      float const v_scale_next = v_scales[block * v_block_stride];
+      tile_scales = group_scales(n_block);
       Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
       pipeline_k.consumer_wait(read_k);
       pipeline_vt.consumer_wait(read_vt);
@@ -237,12 +270,8 @@ struct MainloopFwdFp8 {
       ++read_k;
       if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
-      auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, qk_scale_log2 * k_scale);
-      // O accumulates in units of the V scale of the tile it will add next.
-      float const v_ratio = v_scale / v_scale_next;
-      v_scale = v_scale_next;
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { correction(mi) *= v_ratio; }
+      auto correction = softmax.template online_update</*kFirstTile=*/false>(
+          tSrS_rowcol, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v);
       warpgroup_wait<0>();  // O += P V done: P's registers and the V^T stage are free
       pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
       ++read_vt;
@@ -263,7 +292,7 @@ struct MainloopFwdFp8 {
     pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
     ++read_vt;
 
-    return softmax.finalize(tOrO_rowcol, v_scale);
+    return softmax.finalize(tOrO_rowcol);
   }
 };
 

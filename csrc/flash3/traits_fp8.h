@@ -16,22 +16,30 @@ namespace flash3 {
 
 using namespace cute;
 
-// kBlockN divides kScaleBlockK (one K/V scale per key tile). Two consumer warpgroups
-// (kBlockM = 128, one Q scale block each). Shared memory: Q + kStages * (K + V + V^T),
-//   hdim  64:  8 KB + 2 * 3 *  8 KB =  56 KB
+// Key tiles of kBlockN keys; when kBlockN does not divide kScaleBlockK the mainloop splits a
+// tile into groups with their own K/V scales (mainloop_fwd_fp8.h; exact, since the softmax
+// carries V's scale in the exponent). The default is 128 keys; hdim 128 also has a 192-key
+// kernel, which dispatch_fp8.cu runs from 2k keys. Consumer warpgroups of 64 rows each (one
+// Q scale block each).
+// Shared memory: Q + kStages * (K + V + V^T),
+//   hdim  64: 12 KB + 2 * 3 *  8 KB =  60 KB (three consumer warpgroups)
 //   hdim 128: 16 KB + 2 * 3 * 16 KB = 112 KB
-//   hdim 256: 32 KB + 2 * 3 * 16 KB = 128 KB (64-key tiles)
-// Registers per consumer thread (of 240): O kHeadDim / 2, S kBlockN / 2 (two of them live
-// in the overlapped loop), P kBlockN / 8.
+//   hdim 256: 32 KB + 2 * 3 * 32 KB = 224 KB
+// Registers per consumer thread: O kHeadDim / 2, S kBlockN / 2, P kBlockN / 8.
 // kBlockNOverride (0: default) picks another key tile for A/B runs (launch_fwd_fp8.h).
-// hdim 256 uses 64-key tiles: measured against 128 in one H200 run (FLASH3_FP8_BLOCK_N),
-// 1-4% faster on all 12 configs (753 vs 720 TFLOPs/s at 16k non-causal), and the 128-key
-// tile needs all 240 registers per consumer thread, which leaves the producer 24 and
-// spills in both roles.
+// hdim 256 uses 128-key tiles (H200 A/B, session 6): +20..+24% non-causal and +6..+23%
+// causal over 64-key tiles once the V transpose became cheap (session 5 measured the
+// opposite, 1-4% for 64, with the old transposer). They need all 240 registers per
+// consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
+// (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0>
 struct TileConfigFp8 {
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : (kHeadDim == 256 ? 64 : 128);
+  // hdim 64: three consumer warpgroups (192-row tiles), as in the 16-bit hdim 64 kernel:
+  // its GEMMs are the cheapest per softmax row, so a warpgroup's softmax needs two
+  // others' GEMMs to hide behind. +7..+23% over two on the grid (H200 A/B, session 6),
+  // except causal 512-1k (within 3%).
+  static constexpr int kConsumerWarpgroups = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : 128;
   // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run,
   // session 5): the loads are not what the tile waits for.
   static constexpr int kStages = 2;
@@ -65,21 +73,22 @@ struct KernelTraitsFp8 {
   static constexpr bool kPersistent = Config::kPersistent;
   static constexpr bool kPingpong = Config::kPingpong;
   static constexpr bool kSplitChains = Config::kSplitChains;
-  static_assert(kScaleBlockK % kBlockN == 0, "a key tile must lie within one K/V scale block");
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
 
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
   // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
   // 16-bit kernels' 24 + 2 * 240 = 64512 (barriers.h) works. The producer warpgroup's V
   // transpose keeps two 16 x 32 blocks in flight (fp8.h), which needs 40 registers; the
-  // consumers then get 232 (O and S need <= 208 per thread up to hdim 128, and at hdim 256
-  // with 64-key tiles): 40 * 128 + 232 * 256 = 64512. With 128-key tiles at hdim 256 the
-  // consumers need all of 240 (and then spill a little, both roles).
-  static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 64;
+  // consumers then get 232 (O, S and P need <= 208 per thread up to hdim 128):
+  // 40 * 128 + 232 * 256 = 64512. hdim 256 with 128-key tiles needs 240 per consumer, so
+  // the producer gets 24 and transposes one block at a time. Three consumer warpgroups
+  // (hdim 64): 40 + 3 * 152 (O 32, S 64 and P 16 per thread).
+  static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 96;
   static constexpr int kProducerRegisters = kSmallConsumer ? 40 : 24;
-  static constexpr int kConsumerRegisters = kSmallConsumer ? 232 : 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 256 <= 64512, "register file over-subscribed");
-  static_assert(kConsumerWarpgroups == 2, "register budget is derived for two consumer warpgroups");
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 152 : kSmallConsumer ? 232 : 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= 64512,
+                "register file over-subscribed");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "register budget derived for 2 or 3");
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
@@ -108,7 +117,8 @@ struct KernelTraitsFp8 {
       GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
   using SmemLayoutVt = decltype(tile_to_shape(SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
 
-  using Transpose = TransposeV<SmemLayoutV, SmemLayoutVt, kBlockN, kHeadDim, kProducerThreads>;
+  using Transpose = TransposeV<SmemLayoutV, SmemLayoutVt, kBlockN, kHeadDim, kProducerThreads,
+                               kProducerRegisters >= 40 ? 2 : 1>;
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;  // TMA -> transposer

@@ -9,13 +9,14 @@ from pathlib import Path
 DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 HDIMS = [64, 96, 128, 192, 256]
 MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
-# FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Alternative
-# key tiles (selected at run time with FLASH3_FP8_BLOCK_N, for A/B runs) get an n<N> suffix.
+# FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Kernels with a
+# key tile besides the default one (dispatch_fp8.cu picks by seqlen_k; FLASH3_FP8_BLOCK_N
+# forces one, for A/B runs) get an n<N> suffix.
 # Head dims whose causal forward has a second tile for short sequences (traits.h,
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_causalshort.cu.
 SHORT_SEQ_CAUSAL_HDIMS = [64, 128]
 FP8_HDIMS = [64, 128, 256]
-FP8_ALT_BLOCK_N = {}  # e.g. {256: [128]}: the 128-key tile at hdim 256, for an A/B run
+FP8_EXTRA_BLOCK_N = {128: [192]}  # hdim 128: 192-key tiles from 2k keys
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,7 +49,7 @@ def main():
     # FP8 forward (four "_"-separated name parts, as setup.py expects; an alternative key
     # tile is appended to the mask part: fwd_e4m3_hdim256_nomaskn128.cu).
     for hdim in FP8_HDIMS:
-        for block_n in [0, *FP8_ALT_BLOCK_N.get(hdim, [])]:
+        for block_n in [0, *FP8_EXTRA_BLOCK_N.get(hdim, [])]:
             for mask_name, mask in MASKS.items():
                 suffix = f"n{block_n}" if block_n else ""
                 path = HERE / f"fwd_e4m3_hdim{hdim}_{mask_name}{suffix}.cu"
