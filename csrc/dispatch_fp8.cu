@@ -3,6 +3,7 @@
 #include "flash3/dispatch_fp8.h"
 
 #include <cstdlib>
+#include <limits>
 
 #ifndef FLASH3_HDIM_MASK
 #define FLASH3_HDIM_MASK 0x1f  // bit i: head dim {64, 96, 128, 192, 256}[i]
@@ -17,7 +18,7 @@ struct NoMask;
 struct CausalMask;
 
 // Defined in launch_fwd_fp8.h, explicitly instantiated in csrc/instantiations/fwd_e4m3_*.cu.
-template <int kHeadDim, class Mask, int kBlockN>
+template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream);
 
 namespace {
@@ -29,10 +30,10 @@ constexpr bool fp8_built(int headdim) {
   return ((FLASH3_DTYPE_MASK >> 2) & 1) && ((FLASH3_HDIM_MASK >> bit) & 1);
 }
 
-template <int kHeadDim, class Mask, int kBlockN = 0>
+template <int kHeadDim, class Mask, int kBlockN = 0, bool kShortSeq = false>
 constexpr FwdFp8Launcher fwd_fp8() {
   if constexpr (fp8_built(kHeadDim)) {
-    return &run_fwd_fp8<kHeadDim, Mask, kBlockN>;
+    return &run_fwd_fp8<kHeadDim, Mask, kBlockN, kShortSeq>;
   } else {
     return nullptr;
   }
@@ -42,8 +43,11 @@ struct FwdFp8Entry {
   int headdim;
   bool causal;
   FwdFp8Launcher launch;
-  int block_n;           // the key tile, for FLASH3_FP8_BLOCK_N
-  int min_seqlen_k = 0;  // the default kernel is the matching entry with the largest min_seqlen_k <= seqlen_k
+  int block_n;  // the key tile, for FLASH3_FP8_BLOCK_N
+  // The default kernel: of the entries whose [min_seqlen_k, max_seqlen_k] holds seqlen_k,
+  // the one with the largest min_seqlen_k, then the smallest max_seqlen_k.
+  int min_seqlen_k = 0;
+  int max_seqlen_k = std::numeric_limits<int>::max();
   bool alternative = false;  // only run when FLASH3_FP8_BLOCK_N asks for it (A/B runs)
 };
 
@@ -60,7 +64,13 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
   {  256,  false, fwd_fp8<256, NoMask>(),             128},
   {  256,  true,  fwd_fp8<256, CausalMask>(),         128},
-  // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, true}
+  // Persistent causal kernels for short sequences (traits_fp8.h kShortSeq; after the
+  // others, so that FLASH3_FP8_BLOCK_N still forces the non-persistent ones):
+  //                                                 key tile  seqlen_k from  to
+  {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
+  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8192},
+  {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
+  // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, INT_MAX, true}
   // with FLASH3_FP8_BLOCK_N=96 (or -1 for every alternative) and the instantiation from
   // generate.py's FP8_EXTRA_BLOCK_N.
 };
@@ -71,7 +81,8 @@ FwdFp8Entry const kFwdFp8Table[] = {
 std::vector<Fp8KernelInfo> built_kernels_fp8() {
   std::vector<Fp8KernelInfo> kernels;
   for (auto const& entry : kFwdFp8Table) {
-    if (entry.launch != nullptr && !entry.alternative && entry.min_seqlen_k == 0) {
+    if (entry.launch != nullptr && !entry.alternative && entry.min_seqlen_k == 0 &&
+        entry.max_seqlen_k == std::numeric_limits<int>::max()) {
       kernels.push_back({entry.headdim, entry.causal});
     }
   }
@@ -97,8 +108,10 @@ bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cuda
       chosen = &entry;
       break;
     }
-    if (!entry.alternative && entry.min_seqlen_k <= params.base.seqlen_k &&
-        (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k)) {
+    int const seqlen_k = params.base.seqlen_k;
+    if (entry.alternative || seqlen_k < entry.min_seqlen_k || seqlen_k > entry.max_seqlen_k) { continue; }
+    if (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k ||
+        (entry.min_seqlen_k == chosen->min_seqlen_k && entry.max_seqlen_k < chosen->max_seqlen_k)) {
       chosen = &entry;
     }
   }

@@ -11,10 +11,11 @@
 
 namespace flash3 {
 
-// kBlockN: 0 for the tile of TileConfigFp8, else an alternative key tile (A/B runs).
-template <int kHeadDim, class Mask, int kBlockN>
+// kBlockN: 0 for the tile of TileConfigFp8, else another key tile. kShortSeq: the
+// persistent causal kernel for short sequences (traits_fp8.h).
+template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq = false>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN>, Mask>;
+  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN, kShortSeq>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.base.num_sms);
   return launch_with_smem(&flash_fwd_fp8_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
@@ -25,3 +26,6 @@ cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
 
 #define FLASH3_INSTANTIATE_FWD_FP8(HDIM, MASK, BLOCK_N) \
   template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK, BLOCK_N>(flash3::FwdFp8Params const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD_FP8_SHORT_SEQ(HDIM, BLOCK_N)                                                        \
+  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::CausalMask, BLOCK_N, true>(flash3::FwdFp8Params const&, \
+                                                                                    cudaStream_t);

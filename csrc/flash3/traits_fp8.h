@@ -32,7 +32,11 @@ using namespace cute;
 // opposite, 1-4% for 64, with the old transposer). They need all 240 registers per
 // consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
-template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0>
+// kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
+// the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Persistent causal kernels
+// measured +4..+24% below 8k keys but 13-40% slower at 8-16k, where the static stride over
+// unequal tiles loses to the hardware's dynamic assignment (H200 A/B, session 6).
+template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false>
 struct TileConfigFp8 {
   // hdim 64: three consumer warpgroups (192-row tiles), as in the 16-bit hdim 64 kernel:
   // its GEMMs are the cheapest per softmax row, so a warpgroup's softmax needs two
@@ -43,7 +47,7 @@ struct TileConfigFp8 {
   // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run,
   // session 5): the loads are not what the tile waits for.
   static constexpr int kStages = 2;
-  static constexpr bool kPersistent = !kIsCausal && kHeadDim <= 128;
+  static constexpr bool kPersistent = (!kIsCausal && kHeadDim <= 128) || kShortSeq;
   // hdim 64 non-causal (the cheapest GEMMs, so the softmax's own latency is the tile):
   // no pingpong and the row max / sum split into four independent chains; together
   // +10..+14% on all six hdim 64 non-causal cells of the grid (H200 A/B, session 5).
@@ -54,14 +58,14 @@ struct TileConfigFp8 {
   static constexpr bool kSplitChains = kHeadDim == 64 && !kIsCausal;
 };
 
-template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0>
+template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kShortSeq = false>
 struct KernelTraitsFp8 {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride>;
+  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kShortSeq>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
