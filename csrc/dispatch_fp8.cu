@@ -58,7 +58,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {   64,  true,  fwd_fp8< 64, CausalMask>(),         128},
   {  128,  false, fwd_fp8<128, NoMask>(),             128},
   {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
-  // hdim 128: 192-key tiles from 2k keys, +4..+13% there; 5-11% slower at 512-1k (H200
+  // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
   // A/B, session 6; V's scale in the exponent makes tiles across scale blocks exact).
   {  128,  false, fwd_fp8<128, NoMask, 192>(),        192,  2048},
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
