@@ -126,11 +126,21 @@ struct BwdKernelTraits {
                                GMMA::Major::MN, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
   // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
+  // With 128-row query tiles (hdim 64) the warpgroups split the rows, 64 each, so every
+  // WGMMA has N = d = 64; split by head dim, its N would be 32, and a shared-memory
+  // WGMMA that narrow reads its A operand (dS) from shared memory more often than the
+  // tensor cores can use it. Otherwise (64-row tiles) they split the head dim.
+  static constexpr bool kDqSplitRows = kBlockM == 2 * 64;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>,
-                           kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutSplitN{}));
+  using TiledMmadQ = std::conditional_t<kDqSplitRows,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                               kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
+          AtomLayoutSplitM{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>,
+                               kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
+          AtomLayoutSplitN{}))>;
 
   // Q, dO, K, V: (rows, d) with d contiguous. Each warpgroup reads d / 2 columns of them
   // as MN-major operands (dK, dV, dQ), so a swizzle atom must not straddle the halves:
