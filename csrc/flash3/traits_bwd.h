@@ -17,8 +17,8 @@ using namespace cute;
 // (kBlockM rows of Q and dO) that see it. Per query tile, five GEMMs:
 //   S  = Q K^T    dP = dO V^T        (kBlockM x kBlockN)
 //   dV += P^T dO  dK += dS^T Q       (kBlockN x d)
-//   dQ  = dS K                       (kBlockM x d): the warpgroups split the head dim,
-//                                     d / 2 columns each
+//   dQ  = dS K                       (kBlockM x d): the warpgroups split the rows
+//                                     (hdim 64 non-causal) or the head dim
 // hdim <= 128 (kSplitKeys, 128 keys): each consumer warpgroup owns 64 keys for the first
 // four GEMMs. It computes S^T and dP^T, so P^T and dS^T stay in registers as the A
 // operands of dV and dK; only dS goes through shared memory, for dQ, which needs the
@@ -126,11 +126,13 @@ struct BwdKernelTraits {
                                GMMA::Major::MN, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
   // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
-  // With 128-row query tiles (hdim 64) the warpgroups split the rows, 64 each, so every
-  // WGMMA has N = d = 64; split by head dim, its N would be 32, and a shared-memory
-  // WGMMA that narrow reads its A operand (dS) from shared memory more often than the
-  // tensor cores can use it. Otherwise (64-row tiles) they split the head dim.
-  static constexpr bool kDqSplitRows = kBlockM == 2 * 64;
+  // With 128-row query tiles (hdim 64) and no mask the warpgroups split the rows, 64
+  // each, so every WGMMA has N = d = 64. Split by head dim its N is 32, and a WGMMA that
+  // narrow is bound by reading its A operand (dS) from shared memory: 3 KB per 16-deep
+  // step against 4 KB for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal +2..+4% from 2k keys (+3..+7% in a
+  // build that spilled 8 bytes); causal 1-3% slower, so causal tiles keep the head-dim
+  // split. 64-row tiles split the head dim.
+  static constexpr bool kDqSplitRows = kBlockM == 2 * 64 && !kIsCausal;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TiledMmadQ = std::conditional_t<kDqSplitRows,
       decltype(make_tiled_mma(
@@ -142,13 +144,15 @@ struct BwdKernelTraits {
                                kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
 
-  // Q, dO, K, V: (rows, d) with d contiguous. Each warpgroup reads d / 2 columns of them
-  // as MN-major operands (dK, dV, dQ), so a swizzle atom must not straddle the halves:
-  // the atom is the widest of 64/32/16 elements that divides d / 2.
-  static constexpr int kHalfD = kHeadDim / 2;
+  // Q, dO, K, V: (rows, d) with d contiguous. Where a GEMM splits the head dim (dV and dK
+  // without kSplitKeys, dQ without kDqSplitRows) each warpgroup reads d / 2 columns of
+  // them as MN-major operands, so a swizzle atom must not straddle the halves: the atom is
+  // the widest of 64/32/16 elements that divides the columns a warpgroup reads.
+  static constexpr int kOperandColumns = kSplitKeys && kDqSplitRows ? kHeadDim : kHeadDim / 2;
   using SmemAtomD = std::conditional_t<
-      kHalfD % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-      std::conditional_t<kHalfD % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
+      kOperandColumns % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kOperandColumns % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>,
+                         GMMA::Layout_K_SW32_Atom<Element>>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
