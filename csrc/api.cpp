@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   at::Tensor const k_tma = flash3::api::tma_ready(k);
   at::Tensor const v_tma = flash3::api::tma_ready(v);
   at::Tensor const do_tma = flash3::api::tma_ready(dout);
-  at::Tensor const out_c = out.stride(-1) == 1 ? out : out.contiguous();
+  at::Tensor const out_c = flash3::api::tma_ready(out);  // the preprocess reads it in 16-byte vectors
   at::Tensor const lse_c = lse.contiguous();
   at::Tensor dlse_c;
   if (dlse.has_value()) { dlse_c = dlse->contiguous(); }
