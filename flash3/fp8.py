@@ -88,7 +88,7 @@ _device_signs: dict = {}
 def _cached_signs(d: int, seed: int, device) -> torch.Tensor:
     """``random_signs(d, seed)`` on ``device``, built once per (d, seed, device) and never
     handed out. Building them on the host and copying them on every call stalled the
-    stream (a copy from pageable memory waits for the stream's work): it cost 27-34 us
+    stream (a copy from pageable memory waits for the stream's work): it cost 27-36 us
     per ``quantize`` call on the H200, a quarter of the quantiser's time."""
     key = (d, seed, torch.device(device))
     signs = _device_signs.get(key)

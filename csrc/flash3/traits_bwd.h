@@ -129,9 +129,9 @@ struct BwdKernelTraits {
   // With 128-row query tiles (hdim 64) and no mask the warpgroups split the rows, 64
   // each, so every WGMMA has N = d = 64. Split by head dim its N is 32, and a WGMMA that
   // narrow is bound by reading its A operand (dS) from shared memory: 3 KB per 16-deep
-  // step against 4 KB for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal +2..+4% from 2k keys (+3..+7% in a
-  // build that spilled 8 bytes); causal 1-3% slower, so causal tiles keep the head-dim
-  // split. 64-row tiles split the head dim.
+  // step against 4 KB for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal
+  // +2..+4% from 2k keys (+3..+7% in a build that spilled 8 bytes); causal 1-3% slower,
+  // so causal tiles keep the head-dim split. 64-row tiles split the head dim.
   static constexpr bool kDqSplitRows = kBlockM == 2 * 64 && !kIsCausal;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TiledMmadQ = std::conditional_t<kDqSplitRows,
