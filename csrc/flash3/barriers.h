@@ -16,7 +16,8 @@ enum class NamedBarrier : int {
   WarpSchedulerWG0 = 0,
   WarpSchedulerWG1 = 1,
   WarpSchedulerWG2 = 2,
-  // Backward: both halves of P (of dS) of a query tile are in shared memory.
+  // Backward, hdim 192/256 (lockstep): both halves of P (of dS) of a query tile are in
+  // shared memory. (The split-keys kernels use mbarriers for dS, and the turns above.)
   PFull = 3,
   dSFull = 4,
   // Backward: the dQ warp's bulk reduction has read consumer warpgroup i's half of the
@@ -47,6 +48,44 @@ CUTLASS_DEVICE void named_barrier_sync(int num_threads, NamedBarrier id) {
 CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
   cutlass::arch::NamedBarrier::arrive(num_threads, static_cast<int>(id));
 }
+
+// Pingpong between consumer warpgroups (FP8 forward and backward; the 16-bit forward has
+// its own counter-based WarpScheduler): a warpgroup waits for its turn before issuing its
+// GEMMs and passes the turn on right after, so one warpgroup's GEMMs overlap the other's
+// softmax. Every warpgroup issues the same number of times per tile; the last
+// warpgroup's final hand-over is skipped (its first turn came from start()), which
+// balances the barriers at each tile boundary. No counters: the caller says which issue
+// is the final one (registers are tight at hdim 256).
+template <int kWarpgroups, bool kEnabled>
+struct PingpongTurns {
+  static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  int warpgroup;
+
+  // Only for a tile with at least one key tile.
+  CUTLASS_DEVICE void start() const {
+    if constexpr (kEnabled) {
+      if (warpgroup == kWarpgroups - 1) { named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0)); }
+    }
+  }
+  CUTLASS_DEVICE void wait_turn() const {
+    if constexpr (kEnabled) { named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup)); }  // LOCK
+  }
+  template <bool kFinalIssue>
+  CUTLASS_DEVICE void pass_turn() const {
+    if constexpr (kEnabled) {
+      if (!(kFinalIssue && warpgroup == kWarpgroups - 1)) {
+        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+      }
+    }
+  }
+  CUTLASS_DEVICE void pass_turn(bool final_issue) const {
+    if constexpr (kEnabled) {
+      if (!(final_issue && warpgroup == kWarpgroups - 1)) {
+        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+      }
+    }
+  }
+};
 
 // Register budget per thread, per role, for setmaxnreg. A CTA of W warpgroups with one
 // block per SM launches with 65536 / (W * 128) registers per thread, rounded down to 8

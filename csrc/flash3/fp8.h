@@ -349,34 +349,4 @@ struct OnlineSoftmaxFp8 {
   }
 };
 
-// Pingpong between consumer warpgroups (as in the 16-bit mainloop): a warpgroup waits
-// for its turn before issuing its GEMMs and passes the turn on right after, so one
-// warpgroup's GEMMs overlap the other's softmax. Every warpgroup issues the same number of
-// times per tile; the last warpgroup's final hand-over is skipped (its first turn came
-// from start()), which balances the barriers at each tile boundary. No counters: the
-// caller says which issue is the final one (registers are tight at hdim 256).
-template <int kWarpgroups, bool kEnabled>
-struct PingpongTurns {
-  static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-  int warpgroup;
-
-  // Only for a tile with at least one key tile.
-  CUTLASS_DEVICE void start() const {
-    if constexpr (kEnabled) {
-      if (warpgroup == kWarpgroups - 1) { named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0)); }
-    }
-  }
-  CUTLASS_DEVICE void wait_turn() const {
-    if constexpr (kEnabled) { named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup)); }  // LOCK
-  }
-  template <bool kFinalIssue>
-  CUTLASS_DEVICE void pass_turn() const {
-    if constexpr (kEnabled) {
-      if (!(kFinalIssue && warpgroup == kWarpgroups - 1)) {
-        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
-      }
-    }
-  }
-};
-
 }  // namespace flash3

@@ -35,12 +35,10 @@ struct FlashBwdKernel {
 
   static constexpr int kThreads = Traits::kThreads;
 
+  // The kernel's barriers live in the mainloop's storage, so that its size is rounded up
+  // to the 1 KB alignment of the tiles only once (hdim 64 has no 1 KB to spare).
   struct SharedStorage {
     typename Mainloop::SharedStorage mainloop;
-    // K and V of the key tile: loaded once, full when their TMA bytes have landed.
-    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
-    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
-    alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
@@ -77,12 +75,15 @@ struct FlashBwdKernel {
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
-      storage.barrier_kv.init(/*arrive_count=*/1);
+      storage.mainloop.barrier_kv.init(/*arrive_count=*/1);
       for (int stage = 0; stage < Traits::kStages; ++stage) {
         for (int warpgroup = 0; warpgroup < Traits::kConsumerWarpgroups; ++warpgroup) {
           storage.mainloop.barrier_dq_full[stage][warpgroup].init(/*arrive_count=*/cutlass::NumThreadsPerWarpGroup);
         }
         storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/1);
+      }
+      for (int buffer = 0; buffer < Traits::kPdSStages; ++buffer) {
+        storage.mainloop.barrier_ds_full[buffer].init(/*arrive_count=*/Traits::kConsumerThreads);
       }
     }
 
@@ -96,9 +97,9 @@ struct FlashBwdKernel {
       pipeline_params.role = PipelineQ::ThreadCategory::Consumer;
       pipeline_params.is_leader = 0;
     }
-    PipelineQ pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
+    PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
     static_assert(Traits::kBytesdO == Traits::kBytesQ);
-    PipelinedO pipeline_do(storage.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();
@@ -108,7 +109,7 @@ struct FlashBwdKernel {
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
-        Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
+        Mainloop::load(params.mainloop, storage.mainloop, storage.mainloop.barrier_kv, pipeline_q, pipeline_do,
                        write_q, write_do, n_block, head, batch);
       } else if (warp_idx == 1) {
         Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
@@ -121,7 +122,7 @@ struct FlashBwdKernel {
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
                                            select<0, 1>(typename Traits::TileShapedKV{}));
-      Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_kv, pipeline_q, pipeline_do,
+      Mainloop::mma(params.mainloop, storage.mainloop, storage.mainloop.barrier_kv, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, batch);

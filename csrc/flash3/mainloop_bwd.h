@@ -63,9 +63,11 @@ struct MainloopBwd {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
-    // kSplitKeys keeps P in registers (smem_p is a placeholder) and stores dS as dS^T.
-    cute::array_aligned<Element, Traits::kSplitKeys ? 8 : cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_p;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> smem_ds;
+    // kSplitKeys keeps P in registers (smem_p is a placeholder, 16 bytes: hdim 64 with
+    // three dS buffers has 1 KB to spare) and stores dS as dS^T.
+    cute::array_aligned<Element, Traits::kSplitKeys ? 8 : cute::cosize_v<typename Traits::SmemLayoutPdS>,
+                        Traits::kSplitKeys ? 16 : 1024> smem_p;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_lse;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutRow>, 128> smem_dpsum;
     cute::array_aligned<float, Traits::kDqViaSmem ? Traits::kDqElements : 4, 128> smem_dq;
@@ -76,6 +78,13 @@ struct MainloopBwd {
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
     // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
+    // kSplitKeys: both consumer warpgroups' halves of dS^T are in buffer b (every consumer
+    // thread arrives).
+    alignas(16) cutlass::arch::ClusterBarrier barrier_ds_full[Traits::kPdSStages];
+    // K and V of the key tile: loaded once, full when their TMA bytes have landed.
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
 
   struct Params {
@@ -235,11 +244,15 @@ struct MainloopBwd {
   // With 64-row query tiles dV += P^T dO is issued before dS^T is computed (it overlaps
   // that math); taller tiles issue it after, when the fp32 P^T is dead, or they spill.
   static constexpr bool kDvBeforeDs = kBlockM <= 64;
+  // 64-row query tiles carry dS^T's registers into the next turn (mma_split_keys); at
+  // 128 rows that made ptxas serialise the WGMMAs for want of registers.
+  static constexpr bool kDkIntoNextTurn = kBlockM <= 64;
 
   // kSplitKeys: each warpgroup computes S^T and dP^T for its kBlockN / 2 keys against the
-  // whole query tile, keeps P^T and dS^T in registers as the A operands of dV and dK, and
-  // meets the other warpgroup once per tile, where both halves of dS are in shared memory
-  // for dQ = dS K.
+  // whole query tile and keeps P^T and dS^T in registers as the A operands of dV and dK.
+  // Only dQ = dS K needs the other warpgroup's half of dS (through shared memory); it is
+  // issued two tiles late, so the warpgroups never wait for each other and can take
+  // turns on the tensor cores (pingpong).
   template <class TensordKV>
   CUTLASS_DEVICE static void mma_split_keys(Params const& params, SharedStorage& storage,
                                             cutlass::arch::ClusterTransactionBarrier& barrier_kv,
@@ -294,25 +307,79 @@ struct MainloopBwd {
 
     barrier_kv.wait(0);
 
-    int pds = 0;  // the dS buffer of this query tile
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    int const n_tiles = m_end - m_begin;
+    // The warpgroups take turns on the tensor cores: a turn issues S^T and dP^T of query
+    // tile t (and dQ of tile t - 2), and the other warpgroup runs its exponentials and dS
+    // under it. The turns are what keep them half a tile apart; without them both would
+    // issue at once and meet the softmax at the same time, with the tensor cores idle.
+    PingpongTurns<Traits::kConsumerWarpgroups, true> const turns{warpgroup};
+    turns.start();
+
+    // dQ of tile t needs both warpgroups' dS^T of tile t, but when warpgroup 0 takes its
+    // turn t + 1 warpgroup 1 is still computing its dS^T of tile t under it. So dQ of tile
+    // t is issued in turn t + 2 (or after the last tile), when both halves have long been
+    // written, and dS^T has three buffers: buffer t % 3 is next written by tile t + 3's
+    // softmax, which starts after the writer's turn t + 3, and that comes after the other
+    // warpgroup's turn t + 2 (dQ of tile t issued and waited for before it passed the
+    // turn on).
+    auto issue_dq = [&](auto& tdQrdQ, int t) {
+      int const buffer = t % Traits::kPdSStages;
+      storage.barrier_ds_full[buffer].wait((t / Traits::kPdSStages) & 1);  // both halves of dS^T(t)
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+    };
+    auto hand_over = [&](auto& tdQrdQ, int t) {
+      warpgroup_fence_operand(tdQrdQ);
+      hand_over_dq(storage, tdQrdQ, thread_idx, t == 0, t % Traits::kStages, t % Traits::kStages);
+    };
+
+    // kDkIntoNextTurn: dK += dS^T Q of tile t runs into turn t + 1, which waits for it
+    // before its own dQ hand-over (rather than idling at the end of tile t, which drained
+    // the tensor cores between turns), so dS^T's registers, its A operand, outlive the
+    // iteration.
+    Tensor rdSt = make_tensor<Element>(partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{})).layout());
+    PipelineState previous_q = read_q;  // the Q stage dK of the previous tile reads
 
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+    for (int t = 0; t < n_tiles; ++t) {
+      int const m_block = m_begin + t;
       if constexpr (Traits::kDqSplitRows) {
         // Both read states follow from the loop counter (the Q and dO pipelines start with
         // this loop and advance once per tile). Carried across the loop, their phase took
-        // a register, and with dQ split by rows the loop spilled. (Elsewhere deriving them
-        // measured 1-3% slower, causal hdim 64, so they are carried there.)
-        int const tile_count = m_block - m_begin;
-        read_q = PipelineState(tile_count % Traits::kStages, (tile_count / Traits::kStages) & 1, tile_count);
+        // a register, and with dQ split by rows the loop spilled. (At hdim 128 deriving
+        // them made no difference, so they are carried there.)
+        read_q = PipelineState(t % Traits::kStages, (t / Traits::kStages) & 1, t);
         read_do = read_q;
       }
       Tensor tStrSt = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{}));
       Tensor tdPtrdPt = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{}));
-      pipeline_q.consumer_wait(read_q);
-      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
+      turns.wait_turn();  // LOCK tensor cores
+      if (t >= 2) {
+        // dQ of tile t - 2 first; it goes to the dQ warp while S^T runs, before dP^T's
+        // accumulator is allocated.
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+        issue_dq(tdQrdQ, t - 2);
+        pipeline_q.consumer_wait(read_q);
+        warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
+        if constexpr (kDkIntoNextTurn) {
+          warpgroup_wait<2>();  // dK of tile t - 1 done: its Q has been read
+          warpgroup_fence_operand(rdSt);
+          pipeline_q.consumer_release(previous_q);  // UNLOCK Q stage
+        }
+        warpgroup_wait<1>();  // dQ done
+        hand_over(tdQrdQ, t - 2);
+      } else {
+        pipeline_q.consumer_wait(read_q);
+        warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
+        if (kDkIntoNextTurn && t == 1) {
+          warpgroup_wait<1>();  // dK of tile 0 done
+          warpgroup_fence_operand(rdSt);
+          pipeline_q.consumer_release(previous_q);  // UNLOCK Q stage
+        }
+      }
       pipeline_do.consumer_wait(read_do);
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tdPtrV, tdPtrdO(_, _, _, read_do.index()), tdPtrdPt);
+      turns.pass_turn(t == n_tiles - 1);  // UNLOCK tensor cores
 
       Tensor tStrSt_rowcol = make_tensor(tStrSt.data(), accumulator_rowcol(tStrSt.layout()));
       Tensor tdPtrdPt_rowcol = make_tensor(tdPtrdPt.data(), accumulator_rowcol(tdPtrdPt.layout()));
@@ -359,33 +426,41 @@ struct MainloopBwd {
         }
       }
       if constexpr (!kDvBeforeDs) { issue_dv(); }
-      Tensor rdSt = make_tensor<Element>(tdPtrdPt.layout());
       convert_into(tdPtrdPt, rdSt);
-      // dS^T to shared memory for dQ. Buffer pds was last read by tile m - 2's dQ GEMMs,
-      // which both warpgroups finished before arriving at tile m - 1's barrier.
-      copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(rdSt), tdSsdS(_, _, _, pds));
+      // dS^T to shared memory for the dQ GEMMs of both warpgroups (see issue_dq).
+      copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(rdSt), tdSsdS(_, _, _, t % Traits::kPdSStages));
       // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
       // warpgroups before either reads the buffer.
       cutlass::arch::fence_view_async_shared();
-      named_barrier_sync(kConsumerThreads, NamedBarrier::dSFull);
-
-      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
-      warpgroup_wait<1>();  // dV done: dO has been read
-      pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
-      // dK += dS^T Q, from registers; it runs while dQ goes to the dQ warp.
+      storage.barrier_ds_full[t % Traits::kPdSStages].arrive();
+      // dK += dS^T Q, from registers. It and dV queue behind the other warpgroup's turn.
       Tensor tdKrdSt = make_tensor(rdSt.data(), accumulator_as_operand_a(rdSt.layout()));
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
-      warpgroup_wait<1>();  // dQ done
-      warpgroup_fence_operand(tdQrdQ);
-      hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
-      warpgroup_wait<0>();  // dK done: Q has been read
-      pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
+      if constexpr (kDkIntoNextTurn) {
+        warpgroup_wait<1>();  // dV done: dO has been read
+        previous_q = read_q;
+      } else {
+        warpgroup_wait<0>();  // dV and dK done: dO and Q have been read
+        pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
+      }
+      pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
       if constexpr (!Traits::kDqSplitRows) {
         ++read_q;
         ++read_do;
       }
-      pds ^= 1;
+    }
+    if constexpr (kDkIntoNextTurn) {
+      warpgroup_wait<0>();  // dK of the last tile
+      warpgroup_fence_operand(rdSt);
+      pipeline_q.consumer_release(previous_q);  // UNLOCK Q stage
+    }
+    // The dQ of the last two tiles, outside the turns.
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = max(n_tiles - 2, 0); t < n_tiles; ++t) {
+      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+      issue_dq(tdQrdQ, t);
+      warpgroup_wait<0>();
+      hand_over(tdQrdQ, t);
     }
   }
 

@@ -55,9 +55,11 @@ struct BwdKernelTraits {
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
-  // P and dS are double-buffered: a warpgroup may write tile m + 1's while the other still
-  // reads tile m's in its dV/dK/dQ GEMMs, so one barrier per tile suffices.
-  static constexpr int kPdSStages = 2;
+  // P and dS buffers. Lockstep (hdim 192/256): double-buffered, a warpgroup may write tile
+  // m + 1's while the other still reads tile m's in its dV/dK/dQ GEMMs, so one barrier per
+  // tile suffices. Split keys (pingpong, dQ two tiles late): three dS^T buffers
+  // (mainloop_bwd.h, issue_dq).
+  static constexpr int kPdSStages = kHeadDim <= 128 ? 3 : 2;
   // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace by a
   // warp of the producer warpgroup (the dQ warp) with bulk reductions from shared memory
   // (cp.reduce.async.bulk), so the consumers never wait on atomics. The consumers drop
@@ -126,13 +128,13 @@ struct BwdKernelTraits {
                                GMMA::Major::MN, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
   // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
-  // With 128-row query tiles (hdim 64) and no mask the warpgroups split the rows, 64
-  // each, so every WGMMA has N = d = 64. Split by head dim its N is 32, and a WGMMA that
-  // narrow is bound by reading its A operand (dS) from shared memory: 3 KB per 16-deep
-  // step against 4 KB for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal
-  // +2..+4% from 2k keys (+3..+7% in a build that spilled 8 bytes); causal 1-3% slower,
-  // so causal tiles keep the head-dim split. 64-row tiles split the head dim.
-  static constexpr bool kDqSplitRows = kBlockM == 2 * 64 && !kIsCausal;
+  // With 128-row query tiles (hdim 64) the warpgroups split the rows, 64 each, so every
+  // WGMMA has N = d = 64. Split by head dim its N is 32, and a WGMMA that narrow is bound
+  // by reading its A operand (dS) from shared memory: 3 KB per 16-deep step against 4 KB
+  // for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal +2..+4% from 2k
+  // keys. Causal was 1-3% slower with the lockstep loop but is +1.5..+4% with the
+  // pingpong one (mainloop_bwd.h). 64-row tiles split the head dim.
+  static constexpr bool kDqSplitRows = kBlockM == 2 * 64;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TiledMmadQ = std::conditional_t<kDqSplitRows,
       decltype(make_tiled_mma(
