@@ -245,8 +245,13 @@ struct MainloopBwd {
   // that math); taller tiles issue it after, when the fp32 P^T is dead, or they spill.
   static constexpr bool kDvBeforeDs = kBlockM <= 64;
   // 64-row query tiles carry dS^T's registers into the next turn (mma_split_keys); at
-  // 128 rows that made ptxas serialise the WGMMAs for want of registers.
+  // 128 rows that made ptxas serialise the WGMMAs for want of registers (measured 7-15%
+  // slower at hdim 64).
+#ifdef FLASH3_BWD_DK_INTO_NEXT_TURN  // timing experiments only
+  static constexpr bool kDkIntoNextTurn = FLASH3_BWD_DK_INTO_NEXT_TURN;
+#else
   static constexpr bool kDkIntoNextTurn = kBlockM <= 64;
+#endif
 
   // kSplitKeys: each warpgroup computes S^T and dP^T for its kBlockN / 2 keys against the
   // whole query tile and keeps P^T and dS^T in registers as the A operands of dV and dK.
