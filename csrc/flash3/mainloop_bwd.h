@@ -337,6 +337,16 @@ struct MainloopBwd {
       warpgroup_fence_operand(tdQrdQ);
       hand_over_dq(storage, tdQrdQ, thread_idx, t == 0, t % Traits::kStages, t % Traits::kStages);
     };
+    // In a turn the dQ stores are published only after dP^T is issued (see publish_dq;
+    // with dK issued before the dS^T fence, +0..+9% at hdim 128). Not in deterministic
+    // mode, whose dQ warp then starts each reduction later and holds up the next key
+    // tile's turn (up to 14% slower).
+    bool const publish_late = params.dq_semaphore == nullptr;
+    auto store_dq_half = [&](auto& tdQrdQ, int t) {
+      warpgroup_fence_operand(tdQrdQ);
+      hand_over_dq</*kPublish=*/false>(storage, tdQrdQ, thread_idx, t == 0, t % Traits::kStages, t % Traits::kStages);
+      if (!publish_late) { publish_dq(storage, thread_idx, t % Traits::kStages); }
+    };
 
     // kDkIntoNextTurn: dK += dS^T Q of tile t runs into turn t + 1, which waits for it
     // before its own dQ hand-over (rather than idling at the end of tile t, which drained
@@ -372,7 +382,7 @@ struct MainloopBwd {
           pipeline_q.consumer_release(previous_q);  // UNLOCK Q stage
         }
         warpgroup_wait<1>();  // dQ done
-        hand_over(tdQrdQ, t - 2);
+        store_dq_half(tdQrdQ, t - 2);
       } else {
         pipeline_q.consumer_wait(read_q);
         warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
@@ -385,6 +395,7 @@ struct MainloopBwd {
       pipeline_do.consumer_wait(read_do);
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tdPtrV, tdPtrdO(_, _, _, read_do.index()), tdPtrdPt);
       turns.pass_turn(t == n_tiles - 1);  // UNLOCK tensor cores
+      if (publish_late && t >= 2) { publish_dq(storage, thread_idx, (t - 2) % Traits::kStages); }
 
       Tensor tStrSt_rowcol = make_tensor(tStrSt.data(), accumulator_rowcol(tStrSt.layout()));
       Tensor tdPtrdPt_rowcol = make_tensor(tdPtrdPt.data(), accumulator_rowcol(tdPtrdPt.layout()));
@@ -434,13 +445,14 @@ struct MainloopBwd {
       convert_into(tdPtrdPt, rdSt);
       // dS^T to shared memory for the dQ GEMMs of both warpgroups (see issue_dq).
       copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(rdSt), tdSsdS(_, _, _, t % Traits::kPdSStages));
+      // dK += dS^T Q, from registers, issued before the fence below waits for the stores.
+      // It and dV queue behind the other warpgroup's turn.
+      Tensor tdKrdSt = make_tensor(rdSt.data(), accumulator_as_operand_a(rdSt.layout()));
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
       // The generic-proxy stores must be visible to the WGMMAs (async proxy) of both
       // warpgroups before either reads the buffer.
       cutlass::arch::fence_view_async_shared();
       storage.barrier_ds_full[t % Traits::kPdSStages].arrive();
-      // dK += dS^T Q, from registers. It and dV queue behind the other warpgroup's turn.
-      Tensor tdKrdSt = make_tensor(rdSt.data(), accumulator_as_operand_a(rdSt.layout()));
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
       if constexpr (kDkIntoNextTurn) {
         warpgroup_wait<1>();  // dV done: dO has been read
         previous_q = read_q;
@@ -473,7 +485,7 @@ struct MainloopBwd {
   // warp through shared memory: its own buffer (kDqViaSmem), or else the tile's Q stage
   // (warpgroup 0) or dO stage (warpgroup 1), once both warpgroups' GEMMs have read them
   // (the producer refills them only after the dQ warp's read).
-  template <class TensordQ>
+  template <bool kPublish = true, class TensordQ>
   CUTLASS_DEVICE static void hand_over_dq(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
                                           bool first_tile, int stage_q, int stage_do) {
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -492,6 +504,12 @@ struct MainloopBwd {
     for (int i = 0; i < size(tdQrdQ); i += 4) {
       sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
+    if constexpr (kPublish) { publish_dq(storage, thread_idx, stage_q); }
+  }
+  // The second half of a hand-over: the fence waits for this thread's stores to land, so
+  // the pingpong loop issues its next GEMM between the two halves.
+  CUTLASS_DEVICE static void publish_dq(SharedStorage& storage, int thread_idx, int stage_q) {
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
     // The bulk reduction reads shared memory through the async proxy.
     cutlass::arch::fence_view_async_shared();
     storage.barrier_dq_full[stage_q][warpgroup].arrive();  // UNLOCK sdQ half: to the dQ warp
