@@ -29,9 +29,9 @@ FORBIDDEN = ["LDL", "STL"]
 # Shown, not required: TMA stores of O (the forward kernels with TileConfig::kTmaStoreO in csrc/flash3/traits.h).
 INFO = ["UTMASTG"]
 NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
-# (head dim, causal) of the kernels built without pingpong (TileConfig::kPingpong in
-# csrc/flash3/traits.h): they have no named barriers to show.
-NO_PINGPONG = {(128, False)}
+# (head dim, causal, short-sequence tile) of the 16-bit forward kernels built without
+# pingpong (TileConfig::kPingpong in csrc/flash3/traits.h): they have no named barriers.
+NO_PINGPONG = {(128, False, False), (128, False, True), (256, True, True)}
 REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
 # The same for the FP8 kernels (TileConfigFp8::kPingpong in csrc/flash3/traits_fp8.h).
 NO_PINGPONG_FP8 = {(64, False)}
@@ -51,6 +51,12 @@ def kernel_config(name: str):
     or flash_fwd_fp8_kernel<...KernelTraitsFp8<D, causal, N>...>."""
     match = re.search(r"KernelTraits(?:Fp8I|IN7cutlass\w+?E)Li(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
+
+
+def fwd_config(name: str):
+    """(head dim, causal, short-sequence tile) from flash_fwd_kernel<...KernelTraits<E, D, causal, short>...>."""
+    match = re.search(r"KernelTraitsIN7cutlass\w+?ELi(\d+)ELb([01])ELb([01])E", name)
+    return (int(match.group(1)), match.group(2) == "1", match.group(3) == "1") if match else None
 
 
 def find_cuobjdump():
@@ -108,9 +114,11 @@ def main():
             counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN + INFO}
             if kind == "fp8":
                 counts["HGMMA"] = counts["QGMMA"]  # shown in the HGMMA column
-            no_pingpong = {"fwd": NO_PINGPONG, "fp8": NO_PINGPONG_FP8}.get(kind, set())
-            required = [r for r in required_all
-                        if not (r in NAMED_BARRIERS and kernel_config(name) in no_pingpong)]
+            if kind == "fwd":
+                without_pingpong = fwd_config(name) in NO_PINGPONG
+            else:
+                without_pingpong = kind == "fp8" and kernel_config(name) in NO_PINGPONG_FP8
+            required = [r for r in required_all if not (r in NAMED_BARRIERS and without_pingpong)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = {"bwd": KNOWN_BWD_SPILLS, "fp8": KNOWN_FP8_SPILLS}.get(kind, {}).get(kernel_config(name), 0)
             ok = all(counts[r] > 0 for r in required) and local <= allowed

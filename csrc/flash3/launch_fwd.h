@@ -27,7 +27,8 @@ cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
-    if (params.seqlen_q <= kShortSeqMaxSeqlen && params.seqlen_k <= kShortSeqMaxSeqlen) {
+    constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, Mask::kIsCausal>;
+    if (params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen) {
       return launch_fwd_tiles<Element, kHeadDim, Mask, true>(params, stream);
     }
   }

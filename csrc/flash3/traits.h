@@ -32,12 +32,14 @@ using namespace cute;
 //    64    3     192   128 / 112 causal   non-causal  24 KB + 64 KB   (softmax-bound: two
 //                                                     warpgroups in softmax while one runs
 //                                                     GEMMs; causal spills 32 B at 128)
-//    64    2     128      128 (causal, seqlen_q and seqlen_k <= 2048: kShortSeq, persistent)
-//   128    2     128      128 (causal, seqlen_q and seqlen_k <= 2048: kShortSeq, persistent)
 //    96    2     128      128             non-causal  24 KB + 96 KB
 //   128    2     128   176 / 128 causal   non-causal  32 KB + 176 KB  (causal: finer diagonal)
 //   192    2     128      112             no          48 KB + 168 KB
 //   256    2     128       80             no          64 KB + 160 KB
+// and the short-sequence tiles (kShortSeq, below), all persistent with the TMA store:
+//    64    2     128      128  non-causal <= 1k tokens, causal <= 2k
+//   128    2     128      128  non-causal and causal <= 2k (non-causal: no pingpong)
+//   256    2     128       64  non-causal <= 512, causal <= 1k (causal: no pingpong)
 // Knobs for A/B builds only (nvcc -D...): the defaults are the measured choices.
 #ifndef FLASH3_FWD_HDIM128_BLOCK_N
 #define FLASH3_FWD_HDIM128_BLOCK_N 176
@@ -46,33 +48,54 @@ using namespace cute;
 #define FLASH3_FWD_HDIM128_PERSISTENT 1
 #endif
 
-// kShortSeq: a second kernel for short causal sequences, picked at launch by seqlen_q
-// (launch_fwd.h), where one exists (kHasShortSeqTile). A short causal tile is a few
+// kShortSeq: a second kernel for short sequences, picked at launch when both seqlen_q
+// and seqlen_k are at most kShortSeqMaxSeqlen (launch_fwd.h). A short tile is a few
 // microseconds of math, so the next tile's loads should overlap it: these kernels are
-// persistent, with the snake order of scheduler.h that balances tiles of unequal length.
-// At hdim 64 the tile is also smaller: the 192-row tile that suits long sequences (three
-// warpgroups, softmax-bound) wastes much of a short causal problem on the diagonal and
-// on its last partial tile. A/B on the H200 against one CTA per tile (bf16, TFLOPs/s):
-// hdim 64 +33% / +19% / +7% at 512 / 1k / 2k tokens, hdim 128 +29% / +19% / +11%. Not at
-// hdim 256: its persistent loop spills 88 B.
-// Both lengths count: with few queries against many keys (bottom-right aligned) the
-// causal tiles are long and nearly equal, which the general kernels handle better.
-#ifndef FLASH3_SHORT_SEQ_MAX_SEQLEN
-#define FLASH3_SHORT_SEQ_MAX_SEQLEN 2048
+// persistent (causal ones with the snake order of scheduler.h, which balances tiles of
+// unequal length) and stage O for a TMA store. Their tiles also fit short problems:
+// - hdim 64: 128 rows, not 192. Three warpgroups suit long sequences (softmax-bound), but
+//   a 192-row tile wastes a third of its rows on a 512-token problem's last tile and,
+//   when causal, much of the diagonal.
+// - hdim 128 non-causal: 128 keys, not 176 (512 and 1024 are multiples of 128, not 176),
+//   and with the persistent loop's registers to spare, O through shared memory.
+// - hdim 256: 64 keys, not 80 (the same multiples; also 12 fewer registers, which is what
+//   lets its persistent loop fit at all: the 80-key one spilled 88 B; causal still spilled
+//   12 B with pingpong, so its short tile runs without).
+// A/B on the H200 against the general kernels (bf16, TFLOPs/s, 512 / 1k / 2k tokens):
+//   causal hdim 64 +33 / +19 / +7%, hdim 128 +29 / +19 / +11% (one CTA per tile then);
+//   non-causal hdim 64 +7 / +2 / -9%, hdim 128 +13 / +6 / +2%, hdim 256 +3 / -5 / -6%;
+//   causal hdim 256 (with pingpong) +7 / +2 / -1%.
+// The lengths below stop where the general kernel wins. Both lengths count: with few
+// queries against many keys (bottom-right aligned) the causal tiles are long and nearly
+// equal, which the general kernels handle better.
+template <int kHeadDim, bool kIsCausal>
+constexpr int short_seq_max_seqlen() {
+  if constexpr (kIsCausal) {
+    return kHeadDim == 64 || kHeadDim == 128 ? 2048 : kHeadDim == 256 ? 1024 : 0;
+  } else {
+    return kHeadDim == 64 ? 1024 : kHeadDim == 128 ? 2048 : kHeadDim == 256 ? 512 : 0;
+  }
+}
+#ifdef FLASH3_SHORT_SEQ_MAX_SEQLEN  // A/B builds: every short tile up to this length
+template <int kHeadDim, bool kIsCausal>
+constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>() > 0 ? FLASH3_SHORT_SEQ_MAX_SEQLEN : 0;
+#else
+template <int kHeadDim, bool kIsCausal>
+constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 #endif
 template <int kHeadDim, bool kIsCausal>
-constexpr bool kHasShortSeqTile = (kHeadDim == 64 || kHeadDim == 128) && kIsCausal;
-constexpr int kShortSeqMaxSeqlen = FLASH3_SHORT_SEQ_MAX_SEQLEN;
+constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {
-  static constexpr bool kTwoWarpgroups = kIsCausal && kShortSeq;
+  static constexpr bool kTwoWarpgroups = kShortSeq;
   static constexpr int kConsumerWarpgroups = kTwoWarpgroups ? 2 : 3;
   static constexpr int kBlockN = kTwoWarpgroups ? 128 : kIsCausal ? 112 : 128, kStages = 2;
   static constexpr bool kPersistent = !kIsCausal || kShortSeq, kPingpong = true;
-  // The persistent loop with 160 registers per consumer spills 20-28 B with the TMA store.
-  static constexpr bool kTmaStoreO = kIsCausal;
+  // The persistent loop with 160 registers per consumer (three warpgroups) spills 20-28 B
+  // with the TMA store; two warpgroups have the registers for it.
+  static constexpr bool kTmaStoreO = kIsCausal || kTwoWarpgroups;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2;
@@ -80,13 +103,15 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShor
   static constexpr bool kTmaStoreO = true;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<128, kIsCausal, kShortSeq> {
-  static constexpr int kConsumerWarpgroups = 2, kBlockN = kIsCausal ? 128 : FLASH3_FWD_HDIM128_BLOCK_N, kStages = 2;
-  static constexpr bool kPersistent = kIsCausal ? kShortSeq : bool(FLASH3_FWD_HDIM128_PERSISTENT), kPingpong = kIsCausal;
+  static constexpr int kConsumerWarpgroups = 2, kStages = 2;
+  static constexpr int kBlockN = kIsCausal || kShortSeq ? 128 : FLASH3_FWD_HDIM128_BLOCK_N;
+  static constexpr bool kPersistent = kShortSeq || (!kIsCausal && bool(FLASH3_FWD_HDIM128_PERSISTENT));
+  static constexpr bool kPingpong = kIsCausal;
   // Non-causal: the persistent 128x176 tile has no shared memory left to stage O apart
   // from Q, and staging it in Q's buffer holds back the next tile's Q (-2..-11%). The
   // tiles that do leave room (x144, x160) with the TMA store were within +-4% of this
   // one with direct stores (A/B, H200), so it stays on direct stores.
-  static constexpr bool kTmaStoreO = kIsCausal;
+  static constexpr bool kTmaStoreO = kIsCausal || kShortSeq;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = 112, kStages = 2;
@@ -94,8 +119,8 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kSho
   static constexpr bool kTmaStoreO = true;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kShortSeq> {
-  static constexpr int kConsumerWarpgroups = 2, kBlockN = 80, kStages = 2;
-  static constexpr bool kPersistent = false, kPingpong = true;
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = kShortSeq ? 64 : 80, kStages = 2;
+  static constexpr bool kPersistent = kShortSeq, kPingpong = !(kShortSeq && kIsCausal);
   static constexpr bool kTmaStoreO = true;
 };
 
