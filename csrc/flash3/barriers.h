@@ -71,13 +71,7 @@ struct PingpongTurns {
     if constexpr (kEnabled) { named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup)); }  // LOCK
   }
   template <bool kFinalIssue>
-  CUTLASS_DEVICE void pass_turn() const {
-    if constexpr (kEnabled) {
-      if (!(kFinalIssue && warpgroup == kWarpgroups - 1)) {
-        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
-      }
-    }
-  }
+  CUTLASS_DEVICE void pass_turn() const { pass_turn(kFinalIssue); }
   CUTLASS_DEVICE void pass_turn(bool final_issue) const {
     if constexpr (kEnabled) {
       if (!(final_issue && warpgroup == kWarpgroups - 1)) {

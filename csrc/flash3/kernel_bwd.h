@@ -109,7 +109,7 @@ struct FlashBwdKernel {
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
-        Mainloop::load(params.mainloop, storage.mainloop, storage.mainloop.barrier_kv, pipeline_q, pipeline_do,
+        Mainloop::load(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
                        write_q, write_do, n_block, head, batch);
       } else if (warp_idx == 1) {
         Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
@@ -122,7 +122,7 @@ struct FlashBwdKernel {
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
                                            select<0, 1>(typename Traits::TileShapedKV{}));
-      Mainloop::mma(params.mainloop, storage.mainloop, storage.mainloop.barrier_kv, pipeline_q, pipeline_do,
+      Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, batch);

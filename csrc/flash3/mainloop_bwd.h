@@ -163,7 +163,6 @@ struct MainloopBwd {
   // (dO, dPsum) per query tile, each pair on its own pipeline so that S = Q K^T can start
   // before dO has landed.
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
-                                  cutlass::arch::ClusterTransactionBarrier& barrier_kv,
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                   PipelineState& write_q, PipelineState& write_do,
                                   int n_block, int head, int batch) {
@@ -199,8 +198,8 @@ struct MainloopBwd {
     auto [tLgL, tLsL] = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
     auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sdPsum), group_modes<0, 1>(gdPsum));
 
-    barrier_kv.arrive_and_expect_tx(Traits::kBytesKV);
-    auto& kv_mbar = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_kv);
+    storage.barrier_kv.arrive_and_expect_tx(Traits::kBytesKV);
+    auto& kv_mbar = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(storage.barrier_kv);
     copy(params.tma_k.with(kv_mbar), tKgK, tKsK);
     copy(params.tma_v.with(kv_mbar), tVgV, tVsV);
 
@@ -227,16 +226,15 @@ struct MainloopBwd {
   // Consumers: accumulate this thread's share of dK (unscaled) and dV for the key tile.
   template <class TensordKV>
   CUTLASS_DEVICE static void mma(Params const& params, SharedStorage& storage,
-                                 cutlass::arch::ClusterTransactionBarrier& barrier_kv,
                                  PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                  PipelineState& read_q, PipelineState& read_do,
                                  TensordKV& tdKrdK, TensordKV& tdVrdV,
                                  int thread_idx, int n_block, int head, int batch) {
     if constexpr (Traits::kSplitKeys) {
-      mma_split_keys(params, storage, barrier_kv, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
+      mma_split_keys(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
                      thread_idx, n_block, head, batch);
     } else {
-      mma_lockstep(params, storage, barrier_kv, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
+      mma_lockstep(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
                    thread_idx, n_block, head, batch);
     }
   }
@@ -260,7 +258,6 @@ struct MainloopBwd {
   // turns on the tensor cores (pingpong).
   template <class TensordKV>
   CUTLASS_DEVICE static void mma_split_keys(Params const& params, SharedStorage& storage,
-                                            cutlass::arch::ClusterTransactionBarrier& barrier_kv,
                                             PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                             PipelineState& read_q, PipelineState& read_do,
                                             TensordKV& tdKrdK, TensordKV& tdVrdV,
@@ -310,7 +307,7 @@ struct MainloopBwd {
 
     Policy const policy{params.seqlen_q, params.seqlen_k};
 
-    barrier_kv.wait(0);
+    storage.barrier_kv.wait(0);
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
     int const n_tiles = m_end - m_begin;
@@ -519,7 +516,6 @@ struct MainloopBwd {
   // dV, dK and dQ, so P and dS both go through shared memory, a barrier each per tile.
   template <class TensordKV>
   CUTLASS_DEVICE static void mma_lockstep(Params const& params, SharedStorage& storage,
-                                          cutlass::arch::ClusterTransactionBarrier& barrier_kv,
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                           PipelineState& read_q, PipelineState& read_do,
                                           TensordKV& tdKrdK, TensordKV& tdVrdV,
@@ -576,7 +572,7 @@ struct MainloopBwd {
 
     Policy const policy{params.seqlen_q, params.seqlen_k};
 
-    barrier_kv.wait(0);
+    storage.barrier_kv.wait(0);
 
     // S = Q K^T and dP = dO V^T of one query tile, issued as two WGMMA batches.
     auto issue_sdp = [&](auto& tSrS, auto& tdPrdP, PipelineState const& q_stage, PipelineState const& do_stage) {
