@@ -31,7 +31,7 @@ INFO = ["UTMASTG"]
 NAMED_BARRIERS = ["BAR.SYNC", "BAR.ARV"]
 # (head dim, causal, short-sequence tile) of the 16-bit forward kernels built without
 # pingpong (TileConfig::kPingpong in csrc/flash3/traits.h): they have no named barriers.
-NO_PINGPONG = {(128, False, False), (128, False, True), (256, True, True)}
+NO_PINGPONG = {(64, False, True), (64, True, True), (128, False, False), (128, False, True), (256, True, True)}
 REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV", "LDSM.16.MT88", "STSM.16.M88"]
 # The same for the FP8 kernels (TileConfigFp8::kPingpong in csrc/flash3/traits_fp8.h).
 NO_PINGPONG_FP8 = {(64, False)}
