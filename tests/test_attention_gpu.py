@@ -19,8 +19,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 HDIMS = [64, 96, 128, 192, 256]
 # (seqlen_q, seqlen_k): single rows, tails that are not multiples of any tile,
 # seqlen_q != seqlen_k both ways, and a long square one.
-# (1537, 1281): the short-sequence causal kernels (seqlen_q, seqlen_k <= 2048) with 13 query
-# tiles per head (test_many_tiles_per_cta has more tiles than SMs).
+# (1537, 1281): the short-sequence kernels of hdim 64 / 128 causal and hdim 128 non-causal
+# (both lengths <= 2048; traits.h kShortSeqMaxSeqlen) with 13 query tiles per head
+# (test_many_tiles_per_cta has more tiles than SMs).
 SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (1537, 1281), (4224, 4224)]
 
 
@@ -82,16 +83,20 @@ def test_forward_matches_reference(seed, dtype, d, causal, seqlens):
 
 # More query tiles than the GPU has SMs, so that each CTA of a persistent kernel runs
 # several tiles: the next tile's Q and K/V loads overlap the current one's math, and O's
-# staging buffer and sQ are handed from tile to tile. (1000, 1000): the short-sequence
-# kernels (traits.h kShortSeq), 8 query tiles per head; (2500, 2300): the general
-# kernels, persistent for non-causal hdim 64-128.
-@pytest.mark.parametrize("seqlens", [(1000, 1000), (2500, 2300)], ids=["1000x1000", "2500x2300"])
+# staging buffer and sQ are handed from tile to tile. The short-sequence kernels (traits.h
+# kShortSeqMaxSeqlen): (500, 500) all of them (hdim 64 / 128 / 256, both masks), (1000,
+# 1000) all but hdim 256 non-causal; (2500, 2300): the general kernels, persistent for
+# non-causal hdim 64-128.
+MANY_TILES_SEQLENS = [(500, 500), (1000, 1000), (2500, 2300)]
+
+
+@pytest.mark.parametrize("seqlens", MANY_TILES_SEQLENS, ids=[f"{a}x{b}" for a, b in MANY_TILES_SEQLENS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
 def test_many_tiles_per_cta(seed, d, causal, seqlens):
     _skip_unless_built(torch.bfloat16, d, causal)
     sq, sk = seqlens
-    b, h = 2, 16
+    b, h = 2, 16 if sq > 512 else 64
     assert b * h * (sq // 192) > torch.cuda.get_device_properties(0).multi_processor_count
     q, k, v = _make_qkv(seed, b, sq, sk, h, h, d, torch.bfloat16)
     out, lse = _run(q, k, v, causal)

@@ -19,12 +19,16 @@ using namespace cute;
 // with two consumer warpgroups, 160 with three).
 //
 // kPersistent: a grid of one CTA per SM walking the tiles (scheduler.h), which overlaps a
-// tile's loads with the previous tile's math; only for equal-length (non-causal) tiles,
-// and only where the loop's extra live registers fit (at hdim 256 they spill 12 B).
+// tile's loads with the previous tile's math. In the general kernels only for
+// equal-length (non-causal) tiles, and only where the loop's extra live registers fit
+// (hdim 256's 80-key non-causal loop spilled 12 B, the causal one 88 B); the short-sequence
+// kernels below are all persistent.
 // kPingpong: the consumer warpgroups take turns on the tensor cores (mainloop_fwd.h).
 // Measured on the H200 against free issue, same run: +2% at hdim 64, +3-5% at hdim 192,
 // +1-2% at hdim 256, +1-4% for hdim 128 causal, within 1.5% at hdim 96; but 1-7% slower
-// for hdim 128 non-causal (128x176 tiles), where it is off.
+// for hdim 128 non-causal (128x176 tiles), where it is off, as it is for the short
+// hdim 64 and hdim 128 non-causal tiles (free issue faster) and the short causal hdim
+// 256 tile (it spilled with pingpong).
 // kTmaStoreO: O leaves through shared memory and TMA stores (epilogue_fwd.h) rather than
 // straight from registers: +1..+21% where a tile is one CTA's whole work (causal, hdim
 // 192/256; most at 512 tokens), no gain where it costs registers or Q's early release.
@@ -195,10 +199,9 @@ struct KernelTraits {
   // each warp's rows are free once its warpgroup's last Q K^T is done, and Q is handed
   // back to the producer (which has no next tile to load) after the store has read them.
   // A persistent kernel would then hold the next tile's Q load until O has left, so it
-  // gets a buffer of its own where shared memory allows (all persistent configurations on
-  // the TMA path today: hdim 96 non-causal, hdim 64 / 128 short causal). The fallback
-  // through Q's buffer ran in the tests when hdim 128 non-causal used it (its A/B in
-  // benchmarks/results/h200-fwd-ab.md), but no configuration uses it now.
+  // gets a buffer of its own where shared memory allows (hdim 96 non-causal, the hdim 64
+  // and 128 short tiles). The hdim 256 short tiles have no room for one (2 x 64 KB of Q
+  // and O beside 128 KB of K/V stages) and stage O in Q's buffer.
 #ifdef FLASH3_FWD_O_FROM_REGISTERS
   static constexpr bool kTmaStoreO = false;
 #else
