@@ -330,19 +330,15 @@ struct MainloopBwd {
       storage.barrier_ds_full[buffer].wait((t / Traits::kPdSStages) & 1);  // both halves of dS^T(t)
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
     };
-    auto hand_over = [&](auto& tdQrdQ, int t) {
-      warpgroup_fence_operand(tdQrdQ);
-      hand_over_dq(storage, tdQrdQ, thread_idx, t == 0, t % Traits::kStages, t % Traits::kStages);
-    };
     // In a turn the dQ stores are published only after dP^T is issued (see publish_dq;
     // with dK issued before the dS^T fence, +0..+9% at hdim 128). Not in deterministic
     // mode, whose dQ warp then starts each reduction later and holds up the next key
     // tile's turn (up to 14% slower).
     bool const publish_late = params.dq_semaphore == nullptr;
-    auto store_dq_half = [&](auto& tdQrdQ, int t) {
+    auto hand_over = [&](auto& tdQrdQ, int t, bool publish) {
       warpgroup_fence_operand(tdQrdQ);
       hand_over_dq</*kPublish=*/false>(storage, tdQrdQ, thread_idx, t == 0, t % Traits::kStages, t % Traits::kStages);
-      if (!publish_late) { publish_dq(storage, thread_idx, t % Traits::kStages); }
+      if (publish) { publish_dq(storage, thread_idx, t % Traits::kStages); }
     };
 
     // kDkIntoNextTurn: dK += dS^T Q of tile t runs into turn t + 1, which waits for it
@@ -379,7 +375,7 @@ struct MainloopBwd {
           pipeline_q.consumer_release(previous_q);  // UNLOCK Q stage
         }
         warpgroup_wait<1>();  // dQ done
-        store_dq_half(tdQrdQ, t - 2);
+        hand_over(tdQrdQ, t - 2, /*publish=*/!publish_late);
       } else {
         pipeline_q.consumer_wait(read_q);
         warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_sdp, tStrK, tStrQ(_, _, _, read_q.index()), tStrSt);
@@ -474,7 +470,7 @@ struct MainloopBwd {
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
       issue_dq(tdQrdQ, t);
       warpgroup_wait<0>();
-      hand_over(tdQrdQ, t);
+      hand_over(tdQrdQ, t, /*publish=*/true);
     }
   }
 
