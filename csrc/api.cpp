@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   at::Tensor const v_tma = flash3::api::tma_ready(v);
 
   flash3::FwdParams params;
-  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   at::Tensor dv_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dv;
 
   flash3::BwdParams params;
-  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info.num_sms);
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
   using flash3::api::set_tensor;
   set_tensor(params.do_ptr, params.do_batch_stride, params.do_row_stride, params.do_head_stride, do_tma);
   set_tensor(params.dq_ptr, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, dq);

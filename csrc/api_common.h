@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <vector>
@@ -131,10 +132,19 @@ void set_tensor(Ptr& ptr, int64_t& batch_stride, int64_t& row_stride, int64_t& h
   head_stride = t.stride(2);
 }
 
+// FLASH3_HEAD_SECTION=n forces the section size of the tile order of the causal kernels
+// that run one CTA per tile (scheduler.h; 1: head by head), for A/B runs. Read at every call, so that one process
+// can compare orders; getenv is a short scan of the environment.
+inline int forced_head_section() {
+  char const* env = std::getenv("FLASH3_HEAD_SECTION");
+  return env == nullptr ? 0 : std::atoi(env);
+}
+
 // Every field of FwdParams, from the (TMA-readable) q, k, v, the output and its
 // logsumexp (float32, contiguous).
 inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                            at::Tensor const& out, at::Tensor const& lse, double softmax_scale, int num_sms) {
+                            at::Tensor const& out, at::Tensor const& lse, double softmax_scale,
+                            DeviceInfo const& device) {
   set_tensor(params.q_ptr, params.q_batch_stride, params.q_row_stride, params.q_head_stride, q);
   set_tensor(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride, k);
   set_tensor(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, v);
@@ -148,7 +158,8 @@ inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor c
   params.headdim = static_cast<int>(q.size(3));
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.num_sms = num_sms;
+  params.num_sms = device.num_sms;
+  params.head_section = forced_head_section();
 }
 
 }  // namespace flash3::api

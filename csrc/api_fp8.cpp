@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   at::Tensor const k_tma = flash3::api::tma_ready(k);
   at::Tensor const v_tma = flash3::api::tma_ready(v);
 
-  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info.num_sms);
+  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
 
   cudaError_t status = cudaSuccess;
   bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,

@@ -111,6 +111,17 @@ def test_backward_gqa(seed, d, causal, hk):
     _check_grads(q, k, v, dout, causal, grads)
 
 
+# The causal backward takes its key tiles in sections of (batch, head) pairs, longest
+# first across a section (kernel_bwd.h): 10 pairs in sections of 3 leave a partial one.
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_sectioned_tile_order(seed, d, monkeypatch):
+    _skip_unless_built(torch.bfloat16, d, True)
+    monkeypatch.setenv("FLASH3_HEAD_SECTION", "3")
+    q, k, v, dout = _inputs(seed, 2, 1100, 1300, 5, 5, d, torch.bfloat16)
+    _, *grads = _flash3_grads(q, k, v, dout, True)
+    _check_grads(q, k, v, dout, True, grads)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
 def test_backward_deterministic_is_bitwise_repeatable(seed, d, causal):

@@ -16,6 +16,7 @@
 #include "barriers.h"
 #include "epilogue_bwd.h"
 #include "mainloop_bwd.h"
+#include "scheduler.h"
 #include "traits_bwd.h"
 
 namespace flash3 {
@@ -43,26 +44,62 @@ struct FlashBwdKernel {
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
 
+  // The tile order. Key tile fastest: the key tiles of one head run side by side and
+  // share its Q and dO through L2; under the causal mask tile 0 sees every query tile,
+  // so the longest go first. Causal tiles (not deterministic) go in sections of heads,
+  // longest first across the section (scheduler.h), with a one-dimensional grid.
+  struct Order {
+    int num_n_blocks;
+    int nheads;
+    int num_bh;
+    int section;  // 0: the grid is (key tile, head, batch)
+  };
+
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
+    Order order;
   };
 
-  static Params to_params(BwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p)}; }
+  static Order order_of(BwdParams const& p) {
+    int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    int section = 0;
+    if (Mask::kIsCausal && !p.deterministic) {
+      section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads, p.head_section);
+    }
+    return {num_n_blocks, p.nheads, p.batch * p.nheads, section};
+  }
+
+  static Params to_params(BwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p), order_of(p)}; }
 
   static dim3 grid(BwdParams const& p) {
-    // Key tile fastest: the key tiles of one head run side by side and share its Q and dO
-    // through L2; under the causal mask tile 0 sees every query tile, so the longest go
-    // first (deterministic mode reverses the order, see n_block_of()).
-    return dim3((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.nheads, p.batch);
+    Order const order = order_of(p);
+    if (order.section > 0) { return dim3(order.num_n_blocks * order.num_bh); }
+    return dim3(order.num_n_blocks, p.nheads, p.batch);
   }
+
+  struct TileCoord {
+    int n_block;
+    int head;
+    int batch;
+  };
 
   // Deterministic dQ adds the key tiles' parts of a query tile in descending key-tile
   // order (Mainloop::store_dq), so a key tile waits only for higher ones: they must start
   // first, or a resident CTA could wait for one that cannot be scheduled.
-  CUTLASS_DEVICE static int n_block_of(Params const& params) {
+  // (Only causal kernels compile the sectioned branch: at hdim 64 the non-causal loop is at
+  // the register limit, and the dead branch made ptxas spill there.)
+  CUTLASS_DEVICE static TileCoord tile_of(Params const& params) {
+    if constexpr (Mask::kIsCausal) {
+      Order const& order = params.order;
+      if (order.section > 0) {
+        SectionedTile const st = sectioned_tile(int(blockIdx.x), order.num_n_blocks, order.section, order.num_bh);
+        return {st.rank, st.bh % order.nheads, st.bh / order.nheads};
+      }
+    }
     bool const deterministic = params.mainloop.dq_semaphore != nullptr;
-    return deterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const n_block = deterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    return {n_block, int(blockIdx.y), int(blockIdx.z)};
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
@@ -71,7 +108,8 @@ struct FlashBwdKernel {
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
-    int const n_block = n_block_of(params), head = blockIdx.y, batch = blockIdx.z;
+    TileCoord const tile = tile_of(params);
+    int const n_block = tile.n_block, head = tile.head, batch = tile.batch;
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);

@@ -67,7 +67,8 @@ struct FlashFwdKernel {
 
   static Params to_params(FwdParams const& p) {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    return {Mainloop::to_params(p), Epilogue::to_params(p), Scheduler::to_params(num_m_blocks, p.nheads, p.batch)};
+    return {Mainloop::to_params(p), Epilogue::to_params(p),
+            Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.head_section)};
   }
 
   CUTLASS_DEVICE static Element* smem_o_of(SharedStorage& storage) {

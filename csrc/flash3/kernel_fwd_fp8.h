@@ -57,7 +57,7 @@ struct FlashFwdKernelFp8 {
   static Params to_params(FwdFp8Params const& p) {
     int const num_m_blocks = (p.base.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     return {Mainloop::to_params(p), Epilogue::to_params(p.base),
-            Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch)};
+            Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.head_section)};
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {

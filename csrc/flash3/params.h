@@ -37,6 +37,9 @@ struct FwdParams {
 
   // Multiprocessors of the device, for grid sizing of persistent schedulers.
   int num_sms = 0;
+  // A forced section size for the tile order of the causal kernels that run one CTA per
+  // tile (scheduler.h); 0: derived from the tile count.
+  int head_section = 0;
 };
 
 // The query-tile height of the backward kernel of a head dim. The binding sizes the dQ

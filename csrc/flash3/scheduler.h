@@ -5,6 +5,42 @@
 
 namespace flash3 {
 
+// A tile's place in the sectioned order: its (batch, head) pair and its rank within the
+// head (0: the first, longest, tile). Tiles [s * section * per_head, (s + 1) * section *
+// per_head) form section s, rank-major; the last section may hold fewer pairs.
+struct SectionedTile {
+  int bh;
+  int rank;
+};
+
+CUTLASS_HOST_DEVICE SectionedTile sectioned_tile(int tile, int per_head, int section, int num_bh) {
+  int const per_section = section * per_head;
+  int const s = tile / per_section;
+  int const first_bh = s * section;
+  int const pairs = num_bh - first_bh < section ? num_bh - first_bh : section;
+  int const r = tile - s * per_section;
+  int const rank = r / pairs;
+  return {first_bh + (r - rank * pairs), rank};
+}
+
+// How many (batch, head) pairs a section holds: the largest power of two whose heads'
+// tiles fit on the SMs at one tile each, so that every head of a section starts its
+// longest tile in the first round; 1 where one head has more tiles than half the SMs
+// (then head by head already fills the GPU with one head's tiles). `forced` > 0
+// overrides it (FLASH3_HEAD_SECTION, for A/B runs; 1 gives the plain head-by-head order).
+// Measured on the H200 (causal, bf16, one process; benchmarks/NOTES.md): forward +2..+9%
+// at 2k-8k tokens, backward +3..+4% at 2k-4k; at 16k tokens, where this gives 1, every
+// section size tried was 0-6% slower; sizes that are not powers of two were slower too.
+inline int section_size(int tiles_per_head, int num_sms, int num_bh, int forced) {
+  int n = 1;
+  if (forced > 0) {
+    n = forced;
+  } else {
+    while (2 * n * tiles_per_head <= num_sms) { n *= 2; }
+  }
+  return n < num_bh ? n : (num_bh > 0 ? num_bh : 1);
+}
+
 // Tile order: the query tiles of one (batch, head) are consecutive, so CTAs running at
 // the same time read the same K and V through L2 (at 16k tokens a head's K and V are
 // 8 MB; without that reuse a causal forward at hdim 128 would move more bytes than its
@@ -24,6 +60,13 @@ namespace flash3 {
 // tile index handed to the consumers through shared memory, was 16% faster at 512 tokens
 // causal but 3-10% slower everywhere else in an A/B run on one H200, so it is not used.)
 //
+// Without kPersistent, with kLongestFirst (the causal kernels with one CTA per tile):
+// the tiles of a section of `section` (batch, head) pairs are interleaved, longest first:
+// the longest tile of each of the section's heads, then the second longest of each, and
+// so on (section_size() picks how many). Where a head has few tiles, head by head puts
+// the long and the short tiles of a couple of heads in one round; a section starts the
+// longest tiles of all its heads in the first round and fills in with the short ones.
+//
 // kPersistent with kLongestFirst (the causal short-sequence tiles, traits.h): the grid
 // walks the tile list in rounds of gridDim.x tiles, forwards in even rounds and
 // backwards in odd ones (a snake). Within a head the tiles run longest first, so a CTA
@@ -36,6 +79,7 @@ struct TileScheduler {
     int num_m_blocks;
     int nheads;
     int num_tiles;
+    int section;  // (batch, head) pairs per section; 1: head by head
   };
 
   struct Coord {
@@ -44,8 +88,11 @@ struct TileScheduler {
     int batch;
   };
 
-  static Params to_params(int num_m_blocks, int nheads, int batch) {
-    return {num_m_blocks, nheads, num_m_blocks * nheads * batch};
+  static constexpr bool kSectioned = !kPersistent && kLongestFirst;
+
+  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms = 0, int forced_section = 0) {
+    int const section = kSectioned ? section_size(num_m_blocks, num_sms, nheads * batch, forced_section) : 1;
+    return {num_m_blocks, nheads, num_m_blocks * nheads * batch, section};
   }
 
   static dim3 grid(Params const& params, int num_sms) {
@@ -68,8 +115,16 @@ struct TileScheduler {
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
-    int const bh = tile / params.num_m_blocks;
-    int const m = tile - bh * params.num_m_blocks;
+    int bh, m;
+    if constexpr (kSectioned) {
+      SectionedTile const st = sectioned_tile(tile, params.num_m_blocks, params.section,
+                                              params.num_tiles / params.num_m_blocks);
+      bh = st.bh;
+      m = st.rank;
+    } else {
+      bh = tile / params.num_m_blocks;
+      m = tile - bh * params.num_m_blocks;
+    }
     return {kLongestFirst ? params.num_m_blocks - 1 - m : m, bh % params.nheads, bh / params.nheads};
   }
 };
