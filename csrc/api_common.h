@@ -133,8 +133,8 @@ void set_tensor(Ptr& ptr, int64_t& batch_stride, int64_t& row_stride, int64_t& h
 }
 
 // FLASH3_HEAD_SECTION=n forces the section size of the tile order of the causal kernels
-// that run one CTA per tile (scheduler.h; 1: head by head), for A/B runs. Read at every call, so that one process
-// can compare orders; getenv is a short scan of the environment.
+// that run one CTA per tile (scheduler.h; 1: head by head), for A/B runs. Read at every
+// call, so that one process can compare orders; getenv is a short scan of the environment.
 inline int forced_head_section() {
   char const* env = std::getenv("FLASH3_HEAD_SECTION");
   return env == nullptr ? 0 : std::atoi(env);

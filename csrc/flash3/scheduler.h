@@ -29,8 +29,9 @@ CUTLASS_HOST_DEVICE SectionedTile sectioned_tile(int tile, int per_head, int sec
 // (then head by head already fills the GPU with one head's tiles). `forced` > 0
 // overrides it (FLASH3_HEAD_SECTION, for A/B runs; 1 gives the plain head-by-head order).
 // Measured on the H200 (causal, bf16, one process; benchmarks/NOTES.md): forward +2..+9%
-// at 2k-8k tokens, backward +3..+4% at 2k-4k; at 16k tokens, where this gives 1, every
-// section size tried was 0-6% slower; sizes that are not powers of two were slower too.
+// at 2k-8k tokens, backward +2..+4% at 2k-4k; at 16k tokens, where this gives 1, no size
+// gained (and 16 lost 10% in the backward); sizes that are not powers of two gained less
+// or lost.
 inline int section_size(int tiles_per_head, int num_sms, int num_bh, int forced) {
   int n = 1;
   if (forced > 0) {
