@@ -64,12 +64,15 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
   {  256,  false, fwd_fp8<256, NoMask>(),             128},
   {  256,  true,  fwd_fp8<256, CausalMask>(),         128},
-  // Persistent causal kernels for short sequences (traits_fp8.h kShortSeq; after the
-  // others, so that FLASH3_FP8_BLOCK_N still forces the non-persistent ones):
+  // Kernels for short sequences (traits_fp8.h kShortSeq: persistent causal ones; after the
+  // others, so that FLASH3_FP8_BLOCK_N still forces the general ones):
   //                                                 key tile  seqlen_k from  to
   {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
   {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8192},
   {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
+  // hdim 128 non-causal, 2k-8k keys: the softmax after the PV GEMM (traits_fp8.h
+  // kSoftmaxUnderPv; the kernel is persistent either way).
+  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  2048,  8191},
   // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, INT_MAX, true}
   // with FLASH3_FP8_BLOCK_N=96 (or -1 for every alternative) and the instantiation from
   // generate.py's FP8_EXTRA_BLOCK_N.

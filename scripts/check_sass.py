@@ -13,7 +13,15 @@ in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (st
 Kernels built without pingpong (NO_PINGPONG, NO_PINGPONG_FP8) need no named barriers.
 
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
-time), except the few known ones listed in KNOWN_BWD_SPILLS / KNOWN_FP8_SPILLS. Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
+time), except the few known ones listed in KNOWN_BWD_SPILLS / KNOWN_FP8_SPILLS.
+
+EX2|GEMM (shown, not required): the most exponentials (MUFU.EX2) between a wait that
+leaves one WGMMA group in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next wait, i.e.
+softmax work that runs under a GEMM (forward: under the warpgroup's own O += P V;
+backward: under dP = dO V^T). ptxas hoists such waits above independent math, so it is 0-4
+in the forward kernels that leave it to ptxas and a tile's worth (34-66) in those that run
+the softmax under the GEMM on purpose (kSoftmaxUnderPv in csrc/flash3/traits.h and
+traits_fp8.h; csrc/flash3/utils.h run_in_own_block). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
 from Triton's wheel.
 """
 import argparse
@@ -92,6 +100,19 @@ def split_functions(sass: str):
         yield parts[i], parts[i + 1]
 
 
+def ex2_under_gemm(body: str) -> int:
+    """The most MUFU.EX2 between a WARPGROUP.DEPBAR.LE gsb0, 0x1 and the next WARPGROUP.DEPBAR."""
+    best, count, inside = 0, 0, False
+    for line in body.splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            if inside:
+                best = max(best, count)
+            inside, count = bool(re.search(r"gsb0,\s*0x1\b", line)), 0
+        elif inside and "MUFU.EX2" in line:
+            count += 1
+    return best
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--module", type=Path, default=None, help="the .so to check (default: flash3/_C*.so)")
@@ -105,7 +126,8 @@ def main():
         args.dump.write_text(sass)
     functions = list(split_functions(sass))
     failed = False
-    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN + INFO) + "  (fp8: LDSM.T STSM)")
+    print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN + INFO) + "   EX2|GEMM"
+          + "  (fp8: LDSM.T STSM)")
     kinds = (("fwd", REQUIRED, "flash_fwd_kernel"), ("bwd", REQUIRED_BWD, "flash_bwd_kernel"),
              ("fp8", REQUIRED_FP8, "flash_fwd_fp8_kernel"))
     for kind, required_all, marker in kinds:
@@ -122,6 +144,7 @@ def main():
             required = [r for r in required_all if not (r in NAMED_BARRIERS and without_pingpong)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = {"bwd": KNOWN_BWD_SPILLS, "fp8": KNOWN_FP8_SPILLS}.get(kind, {}).get(kernel_config(name), 0)
+            under_gemm = ex2_under_gemm(body)
             ok = all(counts[r] > 0 for r in required) and local <= allowed
             kind_failed |= not ok
             if kind == "fp8":
@@ -134,7 +157,8 @@ def main():
             note = "" if ok else "  FAIL"
             if ok and local:
                 note = f"  known spill (<= {allowed})"
-            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN + INFO) + extra + note)
+            print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN + INFO)
+                  + f" {under_gemm:>10}" + extra + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if kind_failed else 'ok'}")
         failed |= kind_failed
     if not any(marker in name for name, _ in functions for _k, _r, marker in kinds):

@@ -167,7 +167,9 @@ def _check_kernel(t, causal, out, lse, softmax_scale=None, lse_rtol=1e-4):
     torch.testing.assert_close(lse[finite].double(), lse_ref[finite].double(), atol=2e-3, rtol=lse_rtol)
 
 
-SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
+# 2048 and 8200 keys: hdim 128 runs its 192-key tile there, with the softmax after the PV
+# GEMM (2k-8k) or under it (8k up; traits_fp8.h kSoftmaxUnderPv).
+SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (1023, 1024), (2048, 2048), (130, 8200)]
 
 
 @gpu

@@ -273,60 +273,77 @@ struct OnlineSoftmaxFp8 {
   CUTLASS_DEVICE float shift(int mi) const { return row_max(mi) == -INFINITY ? 0.f : row_max(mi) - kMaxOffset; }
 
   // Column ni of the row-col view is key 8 (ni / 2) + 2 q + ni % 2 of the tile, so group g
-  // holds the columns [g, g + 1) * kCols / kGroups. Returns the O rescale per row.
+  // holds the columns [g, g + 1) * kCols / kGroups.
+  static constexpr int kChains = kSplitChains ? 4 : 1;
+
+  // Row mi's running (V-weighted) max updated with tile S; returns the factor by which its
+  // row of O must be rescaled.
+  template <bool kFirstTile, int kGroups, class TensorS>
+  CUTLASS_DEVICE float update_row_max(TensorS const& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
+                                      float const (&log2_v)[kGroups]) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    static_assert(kGroupCols * kGroups == decltype(size<1>(tSrS_rowcol))::value && kGroupCols % kChains == 0);
+    float tile_max = -INFINITY;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      float part[kChains];
+      CUTE_UNROLL
+      for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kGroupCols; ++ni) {
+        part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
+      }
+      float group_max = part[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
+      tile_max = fmaxf(tile_max, fmaf(group_max, scale_log2[g], log2_v[g]));
+    }
+    tile_max = quad_allreduce(tile_max, MaxOp{});
+    float const prev_shift = kFirstTile ? 0.f : shift(mi);
+    bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
+    row_max(mi) = fmaxf(row_max(mi), tile_max);
+    // No visible key so far: the accumulator and the sum are 0, any factor will do.
+    return had_keys ? exp2f(prev_shift - shift(mi)) : 1.f;
+  }
+
+  // Row mi of S turned into P in place, and its sum (over P / v) added.
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
+                                       float const (&log2_v)[kGroups], float const (&inv_v)[kGroups],
+                                       float correction) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    float const cur_shift = shift(mi);
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      float const group_shift = cur_shift - log2_v[g];
+      float sums[kChains];
+      CUTE_UNROLL
+      for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kGroupCols; ++ni) {
+        float const p = exp2f(tSrS_rowcol(mi, g * kGroupCols + ni) * scale_log2[g] - group_shift);
+        tSrS_rowcol(mi, g * kGroupCols + ni) = p;
+        sums[ni % kChains] += p;
+      }
+      float group_sum = sums[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) { group_sum += sums[c]; }
+      sum = fmaf(group_sum, inv_v[g], sum);
+    }
+    row_sum(mi) = row_sum(mi) * correction + sum;
+  }
+
+  // Both, row by row. Returns the O rescale per row.
   template <bool kFirstTile, int kGroups, class TensorS>
   CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float const (&scale_log2)[kGroups],
                                     float const (&log2_v)[kGroups], float const (&inv_v)[kGroups]) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
-    constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
-    static_assert(kCols % kGroups == 0);
-    constexpr int kGroupCols = kCols / kGroups;
-    constexpr int kChains = kSplitChains ? 4 : 1;
-    static_assert(kGroupCols % kChains == 0);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float tile_max = -INFINITY;
-      CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
-        float part[kChains];
-        CUTE_UNROLL
-        for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
-        CUTE_UNROLL
-        for (int ni = 0; ni < kGroupCols; ++ni) {
-          part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
-        }
-        float group_max = part[0];
-        CUTE_UNROLL
-        for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
-        tile_max = fmaxf(tile_max, fmaf(group_max, scale_log2[g], log2_v[g]));
-      }
-      tile_max = quad_allreduce(tile_max, MaxOp{});
-      float const prev_shift = kFirstTile ? 0.f : shift(mi);
-      bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
-      row_max(mi) = fmaxf(row_max(mi), tile_max);
-      float const cur_shift = shift(mi);
-      // No visible key so far: the accumulator and the sum are 0, any factor will do.
-      correction(mi) = had_keys ? exp2f(prev_shift - cur_shift) : 1.f;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
-        float const group_shift = cur_shift - log2_v[g];
-        float sums[kChains];
-        CUTE_UNROLL
-        for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
-        CUTE_UNROLL
-        for (int ni = 0; ni < kGroupCols; ++ni) {
-          float const p = exp2f(tSrS_rowcol(mi, g * kGroupCols + ni) * scale_log2[g] - group_shift);
-          tSrS_rowcol(mi, g * kGroupCols + ni) = p;
-          sums[ni % kChains] += p;
-        }
-        float group_sum = sums[0];
-        CUTE_UNROLL
-        for (int c = 1; c < kChains; ++c) { group_sum += sums[c]; }
-        sum = fmaf(group_sum, inv_v[g], sum);
-      }
-      row_sum(mi) = row_sum(mi) * correction(mi) + sum;
+      correction(mi) = update_row_max<kFirstTile>(tSrS_rowcol, mi, scale_log2, log2_v);
+      exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi));
     }
     return correction;
   }

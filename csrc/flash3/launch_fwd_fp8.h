@@ -11,8 +11,8 @@
 
 namespace flash3 {
 
-// kBlockN: 0 for the tile of TileConfigFp8, else another key tile. kShortSeq: the
-// persistent causal kernel for short sequences (traits_fp8.h).
+// kBlockN: 0 for the tile of TileConfigFp8, else another key tile. kShortSeq: the kernel
+// for short sequences (traits_fp8.h).
 template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq = false>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN, kShortSeq>, Mask>;
@@ -26,6 +26,5 @@ cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
 
 #define FLASH3_INSTANTIATE_FWD_FP8(HDIM, MASK, BLOCK_N) \
   template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK, BLOCK_N>(flash3::FwdFp8Params const&, cudaStream_t);
-#define FLASH3_INSTANTIATE_FWD_FP8_SHORT_SEQ(HDIM, BLOCK_N)                                                        \
-  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::CausalMask, BLOCK_N, true>(flash3::FwdFp8Params const&, \
-                                                                                    cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD_FP8_SHORT_SEQ(HDIM, MASK, BLOCK_N) \
+  template cudaError_t flash3::run_fwd_fp8<HDIM, flash3::MASK, BLOCK_N, true>(flash3::FwdFp8Params const&, cudaStream_t);

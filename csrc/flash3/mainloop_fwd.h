@@ -206,6 +206,7 @@ struct MainloopFwd {
     };
 
     barrier_q_full.wait(q_phase);
+    uint32_t const zero = opaque_zero(params.seqlen_q);  // utils.h run_in_own_block
 
     // First key tile: S only.
     int n_block = n_end - 1;
@@ -244,7 +245,15 @@ struct MainloopFwd {
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
       if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
-      auto correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
+      Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+      auto softmax_step = [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol); };
+      if constexpr (Traits::kSoftmaxUnderPv) {
+        // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
+        // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
+        run_in_own_block(zero, softmax_step);
+      } else {
+        softmax_step();
+      }
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
       pipeline_v.consumer_release(read_v);  // UNLOCK V stage
       ++read_v;

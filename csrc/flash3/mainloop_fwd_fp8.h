@@ -232,6 +232,7 @@ struct MainloopFwdFp8 {
 
     int n_block = n_end - 1;
     GroupScales tile_scales = group_scales(n_block);
+    uint32_t const zero = opaque_zero(params.seqlen_q);  // utils.h run_in_own_block
 
     barrier_q_full.wait(q_phase);
 
@@ -270,8 +271,28 @@ struct MainloopFwdFp8 {
       ++read_k;
       if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
-      auto correction = softmax.template online_update</*kFirstTile=*/false>(
-          tSrS_rowcol, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v);
+      Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+      if constexpr (Traits::kSoftmaxUnderPv) {
+        // The row max and the first half of the rows' exponentials run while O += P V is in
+        // flight (in a block of their own, or ptxas hoists the wait above them: utils.h);
+        // O's rescale then fills the issue slots that the second half's exponentials leave
+        // free (they wait on the MUFU pipe).
+        run_in_own_block(zero, [&] {
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            correction(mi) = softmax.template update_row_max</*kFirstTile=*/false>(
+                tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v);
+          }
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows / 2; ++mi) {
+            softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v,
+                                     correction(mi));
+          }
+        });
+      } else {
+        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales.qk_log2,
+                                                                        tile_scales.log2_v, tile_scales.inv_v);
+      }
       warpgroup_wait<0>();  // O += P V done: P's registers and the V^T stage are free
       pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
       ++read_vt;
@@ -279,6 +300,13 @@ struct MainloopFwdFp8 {
       for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
+      }
+      if constexpr (Traits::kSoftmaxUnderPv) {
+        CUTE_UNROLL
+        for (int mi = kRows / 2; mi < kRows; ++mi) {
+          softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v,
+                                   correction(mi));
+        }
       }
       convert_p_to_operand_a(tSrS_next, tOrP);
     }

@@ -34,35 +34,48 @@ struct OnlineSoftmax {
     return row_max(mi) == -INFINITY ? 0.f : row_max(mi) * scale_log2;
   }
 
-  // Updates the running max with tile S (rows x cols, raw scores), turns S into
-  // P = exp2(S * scale_log2 - max) in place, adds P's row sums, and returns the factor
-  // by which each row of the output accumulator must be rescaled.
+  // Row mi's running max updated with tile S (raw scores); returns the factor by which
+  // its row of the output accumulator must be rescaled.
+  template <bool kFirstTile, class TensorS>
+  CUTLASS_DEVICE float update_row_max(TensorS const& tSrS_rowcol, int mi) {
+    float tile_max = row_max(mi);
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+      tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni));
+    }
+    tile_max = quad_allreduce(tile_max, MaxOp{});
+    float const prev_scaled = kFirstTile ? -INFINITY : row_max(mi) * scale_log2;
+    row_max(mi) = tile_max;
+    // prev_scaled is -inf when the row had no visible key yet: the factor is then 0,
+    // harmless since the accumulator and sum are still 0.
+    return kFirstTile ? 1.f : exp2f(prev_scaled - scaled_max(mi));
+  }
+
+  // Row mi of S turned into P = exp2(S * scale_log2 - max) in place, and its sum added.
+  template <class TensorS>
+  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, float correction) {
+    float const max_scaled = scaled_max(mi);
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+      float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - max_scaled);
+      tSrS_rowcol(mi, ni) = p;
+      sum += p;
+    }
+    row_sum(mi) = row_sum(mi) * correction + sum;
+  }
+
+  // Updates the running max with tile S (rows x cols, raw scores), turns S into P in
+  // place, adds P's row sums, and returns the factor by which each row of the output
+  // accumulator must be rescaled.
   template <bool kFirstTile, class TensorS>
   CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float tile_max = row_max(mi);
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
-        tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni));
-      }
-      tile_max = quad_allreduce(tile_max, MaxOp{});
-      float const prev_scaled = kFirstTile ? -INFINITY : row_max(mi) * scale_log2;
-      row_max(mi) = tile_max;
-      float const max_scaled = scaled_max(mi);
-      // prev_scaled is -inf when the row had no visible key yet: the factor is then 0,
-      // harmless since the accumulator and sum are still 0.
-      correction(mi) = kFirstTile ? 1.f : exp2f(prev_scaled - max_scaled);
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
-        float const p = exp2f(tSrS_rowcol(mi, ni) * scale_log2 - max_scaled);
-        tSrS_rowcol(mi, ni) = p;
-        sum += p;
-      }
-      row_sum(mi) = row_sum(mi) * correction(mi) + sum;
+      correction(mi) = update_row_max<kFirstTile>(tSrS_rowcol, mi);
+      exponentiate_row(tSrS_rowcol, mi, correction(mi));
     }
     return correction;
   }

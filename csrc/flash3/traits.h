@@ -150,6 +150,13 @@ struct KernelTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kPersistent = Config::kPersistent;
   static constexpr bool kPingpong = Config::kPingpong;
+  // The softmax of key tile j + 1 runs under the warpgroup's own O += P(j) V(j)
+  // (mainloop_fwd.h; without utils.h run_in_own_block ptxas waits for the GEMM first).
+  // Only at hdim 256: +1..+3% on all twelve cells there, against 0.87-0.98 at hdim 64 and
+  // within +-2% at hdim 128, where with two warpgroups in pingpong the other's GEMMs
+  // already fill the tensor cores during a softmax (H200 A/B, eleventh session; the fifth
+  // session had measured 4-14% losses at hdim 64, 128 and 256 with earlier tiles).
+  static constexpr bool kSoftmaxUnderPv = kHeadDim == 256;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.

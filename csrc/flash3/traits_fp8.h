@@ -33,7 +33,9 @@ using namespace cute;
 // consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 // kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
-// the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Persistent causal kernels
+// the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Non-causal kernels are
+// persistent anyway (hdim <= 128); there kShortSeq only keeps the softmax after the PV
+// GEMM (kSoftmaxUnderPv), for 2k-8k keys at hdim 128. Persistent causal kernels
 // measured +4..+24% below 8k keys but 13-40% slower at 8-16k, where the static stride over
 // unequal tiles loses to the hardware's dynamic assignment (H200 A/B, session 6).
 template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false>
@@ -77,6 +79,14 @@ struct KernelTraitsFp8 {
   static constexpr bool kPersistent = Config::kPersistent;
   static constexpr bool kPingpong = Config::kPingpong;
   static constexpr bool kSplitChains = Config::kSplitChains;
+  // The row max and half the exponentials of key tile j + 1 run under the warpgroup's own
+  // O += P(j) V(j), O's rescale under the other half (mainloop_fwd_fp8.h). H200 A/B against
+  // the softmax after that GEMM (eleventh session): hdim 128 +3..+6% at 8k-16k keys (the
+  // 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k; hdim 64 causal
+  // +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal. So: the hdim 128
+  // kernels that run at 8k keys and up or below 2k (kShortSeq, the 2k-8k kernels, keep the
+  // old order) and hdim 64 causal.
+  static constexpr bool kSoftmaxUnderPv = (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_);
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
 
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with

@@ -49,6 +49,29 @@ CUTLASS_DEVICE void convert_into(TensorSrc const& src, TensorDst& dst) {
       convert(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(src.data()));
 }
 
+// ptxas places a WGMMA wait (wgmma.wait_group, WARPGROUP.DEPBAR in SASS) as early as its
+// basic block allows, ahead of independent math that the source puts before it. In the
+// forward mainloops the wait for O += P V lands ahead of the whole softmax of the next S,
+// so the softmax does not run under the PV GEMM (the intra-warpgroup overlap) unless it
+// is asked to (kSoftmaxUnderPv). Work meant to run while a WGMMA is in flight goes through
+// run_in_own_block: a loop that runs once, from a start (opaque_zero: 0 at run time) that
+// neither compiler knows, so the work keeps a basic block of its own ahead of the wait.
+// scripts/check_sass.py counts the exponentials between the two waits (EX2|GEMM).
+template <class F>
+CUTLASS_DEVICE void run_in_own_block(uint32_t opaque_zero, F&& f) {
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (uint32_t once = opaque_zero; once < 1u; ++once) { f(); }
+}
+
+// 0 for a non-negative x (a sequence length), through an asm: the compiler may have derived
+// x > 0 from loop bounds (it did so in a backward kernel, where this was tried) and would
+// then fold the loop of run_in_own_block away.
+CUTLASS_DEVICE uint32_t opaque_zero(int nonneg) {
+  uint32_t zero;
+  asm("shr.u32 %0, %1, 31;" : "=r"(zero) : "r"(nonneg));
+  return zero;
+}
+
 // Issues one warpgroup GEMM: tCrC (+)= tCrA * tCrB, K-blocked. With zero_init the first
 // K block overwrites the accumulator (scale-out 0), so S needs no clear.
 template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
