@@ -13,16 +13,17 @@ in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (st
 Kernels built without pingpong (NO_PINGPONG, NO_PINGPONG_FP8) need no named barriers.
 
 and no local-memory traffic (LDL/STL: register spills or a register array indexed at run
-time), except the few known ones listed in KNOWN_BWD_SPILLS / KNOWN_FP8_SPILLS.
+time), except the few known ones listed in KNOWN_BWD_SPILLS / KNOWN_FP8_SPILLS. Exits
+non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or from Triton's
+wheel.
 
 EX2|GEMM (shown, not required): the most exponentials (MUFU.EX2) between a wait that
 leaves one WGMMA group in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next wait, i.e.
 softmax work that runs under a GEMM (forward: under the warpgroup's own O += P V;
 backward: under dP = dO V^T). ptxas hoists such waits above independent math, so it is 0-4
-in the forward kernels that leave it to ptxas and a tile's worth (34-66) in those that run
-the softmax under the GEMM on purpose (kSoftmaxUnderPv in csrc/flash3/traits.h and
-traits_fp8.h; csrc/flash3/utils.h run_in_own_block). Exits non-zero when a kernel misses one. Uses cuobjdump from the CUDA toolkit or
-from Triton's wheel.
+in the forward kernels that leave it to ptxas and a tile's worth or half of one (34-50) in
+those that run the softmax under the GEMM on purpose (kSoftmaxUnderPv in
+csrc/flash3/traits.h and traits_fp8.h; csrc/flash3/utils.h run_in_own_block).
 """
 import argparse
 import re

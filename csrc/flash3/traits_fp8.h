@@ -80,12 +80,13 @@ struct KernelTraitsFp8 {
   static constexpr bool kPingpong = Config::kPingpong;
   static constexpr bool kSplitChains = Config::kSplitChains;
   // The row max and half the exponentials of key tile j + 1 run under the warpgroup's own
-  // O += P(j) V(j), O's rescale under the other half (mainloop_fwd_fp8.h). H200 A/B against
-  // the softmax after that GEMM (eleventh session): hdim 128 +3..+6% at 8k-16k keys (the
-  // 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k; hdim 64 causal
-  // +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal. So: the hdim 128
-  // kernels that run at 8k keys and up or below 2k (kShortSeq, the 2k-8k kernels, keep the
-  // old order) and hdim 64 causal.
+  // O += P(j) V(j), O's rescale beside the other half after it (mainloop_fwd_fp8.h). H200
+  // A/B against the softmax after that GEMM (eleventh session): hdim 128 +3..+6% at
+  // 8k-16k keys (the 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k;
+  // hdim 64 causal +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal.
+  // So: hdim 64 causal, and the hdim 128 kernels without kShortSeq (non-causal below 2k
+  // and from 8k keys, causal above 8k; the kShortSeq ones, causal up to 8k and non-causal
+  // 2k-8k, keep the old order).
   static constexpr bool kSoftmaxUnderPv = (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_);
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
 
