@@ -246,18 +246,31 @@ struct MainloopFwd {
       if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-      auto softmax_step = [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol); };
-      if constexpr (Traits::kSoftmaxUnderPv) {
+      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
         // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
         // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
-        run_in_own_block(zero, softmax_step);
+        run_in_own_block(zero, [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol); });
+      } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
+        // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
+        // O's rescale then fills the issue slots that the second half's exponentials leave
+        // free (they wait on the MUFU pipe).
+        run_in_own_block(zero, [&] {
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) { correction(mi) = softmax.template update_row_max<false>(tSrS_rowcol, mi); }
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
+        });
       } else {
-        softmax_step();
+        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
       }
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
       pipeline_v.consumer_release(read_v);  // UNLOCK V stage
       ++read_v;
       softmax.rescale(tOrO_rowcol, correction);
+      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
+        CUTE_UNROLL
+        for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
+      }
       convert_into(tSrS_next, rP);
     }
 

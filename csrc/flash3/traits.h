@@ -90,6 +90,11 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 
+// How much of the softmax of key tile j + 1 a warpgroup computes while its own
+// O += P(j) V(j) is in flight (ForwardTraits::kSoftmaxUnderPv, mainloop_fwd.h): none, the
+// row max and half the rows' exponentials, or all of it.
+enum class SoftmaxUnderPv { kNone, kHalf, kWhole };
+
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {
@@ -150,13 +155,22 @@ struct KernelTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kPersistent = Config::kPersistent;
   static constexpr bool kPingpong = Config::kPingpong;
-  // The softmax of key tile j + 1 runs under the warpgroup's own O += P(j) V(j)
-  // (mainloop_fwd.h; without utils.h run_in_own_block ptxas waits for the GEMM first).
-  // Only at hdim 256: +1..+3% on all twelve cells there, against 0.87-0.98 at hdim 64 and
-  // within +-2% at hdim 128, where with two warpgroups in pingpong the other's GEMMs
-  // already fill the tensor cores during a softmax (H200 A/B, eleventh session; the fifth
-  // session had measured 4-14% losses at hdim 64, 128 and 256 with earlier tiles).
-  static constexpr bool kSoftmaxUnderPv = kHeadDim == 256;
+  // How much of the softmax of key tile j + 1 runs under the warpgroup's own
+  // O += P(j) V(j) (mainloop_fwd.h; without utils.h run_in_own_block ptxas waits for the
+  // GEMM first). H200 A/Bs against the softmax after that GEMM, bitwise-identical outputs
+  // (eleventh and twelfth sessions):
+  // - kHalf (the row max and half the rows' exponentials under the GEMM, O's rescale
+  //   beside the other half after it, as in the FP8 kernels): hdim 96 +1..+8% (most at
+  //   long non-causal), hdim 128 +0..+3%, hdim 192 +0..+3%; at hdim 64 0.93-1.00 (and its
+  //   general non-causal kernel spilled);
+  // - kWhole at hdim 256: +1..+3% on all twelve cells, where kHalf gave -1..+4%; at hdim
+  //   128 within +-2%, at hdim 64 0.87-0.98;
+  // - so hdim 64 keeps the old order (kNone): with two or three warpgroups in pingpong
+  //   the others' GEMMs already fill the tensor cores during a softmax there, and its
+  //   tiles' GEMMs are short against their softmax.
+  // (The fifth session had measured 4-14% losses at hdim 64, 128 and 256 with earlier tiles.)
+  static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
+      kHeadDim == 64 ? SoftmaxUnderPv::kNone : kHeadDim == 256 ? SoftmaxUnderPv::kWhole : SoftmaxUnderPv::kHalf;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
