@@ -163,14 +163,17 @@ struct KernelTraits {
   //   beside the other half after it, as in the FP8 kernels): hdim 96 +1..+8% (most at
   //   long non-causal), hdim 128 +0..+3%, hdim 192 +0..+3%; at hdim 64 0.93-1.00 (and its
   //   general non-causal kernel spilled);
-  // - kWhole at hdim 256: +1..+3% on all twelve cells, where kHalf gave -1..+4%; at hdim
-  //   128 within +-2%, at hdim 64 0.87-0.98;
+  // - kWhole at hdim 256: +1..+3% on all twelve cells; there kHalf gave -1..+4%, ahead
+  //   only at 512-1k, which the short tiles (kShortSeq) serve; at hdim 128 kWhole was
+  //   within +-2%, at hdim 64 0.87-0.98;
   // - so hdim 64 keeps the old order (kNone): with two or three warpgroups in pingpong
   //   the others' GEMMs already fill the tensor cores during a softmax there, and its
   //   tiles' GEMMs are short against their softmax.
   // (The fifth session had measured 4-14% losses at hdim 64, 128 and 256 with earlier tiles.)
   static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
-      kHeadDim == 64 ? SoftmaxUnderPv::kNone : kHeadDim == 256 ? SoftmaxUnderPv::kWhole : SoftmaxUnderPv::kHalf;
+      kHeadDim == 64                     ? SoftmaxUnderPv::kNone
+      : kHeadDim == 256 && !kShortSeq_   ? SoftmaxUnderPv::kWhole
+                                         : SoftmaxUnderPv::kHalf;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
