@@ -21,7 +21,7 @@ EX2|GEMM (shown, not required): the most exponentials (MUFU.EX2) between a wait 
 leaves one WGMMA group in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next wait, i.e.
 softmax work that runs under a GEMM (forward: under the warpgroup's own O += P V;
 backward: under dP = dO V^T). ptxas hoists such waits above independent math, so it is 0-4
-in the forward kernels that leave it to ptxas and a tile's worth or half of one (30-50) in
+in the forward kernels that leave it to ptxas and a tile's worth or half of one (18-50) in
 those that run the softmax under the GEMM on purpose (kSoftmaxUnderPv in
 csrc/flash3/traits.h and traits_fp8.h; csrc/flash3/utils.h run_in_own_block).
 """
