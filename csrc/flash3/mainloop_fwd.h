@@ -256,7 +256,7 @@ struct MainloopFwd {
         // free (they wait on the MUFU pipe).
         run_in_own_block(zero, [&] {
           CUTE_UNROLL
-          for (int mi = 0; mi < kRows; ++mi) { correction(mi) = softmax.template update_row_max<false>(tSrS_rowcol, mi); }
+          for (int mi = 0; mi < kRows; ++mi) { correction(mi) = softmax.template update_row_max</*kFirstTile=*/false>(tSrS_rowcol, mi); }
           CUTE_UNROLL
           for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
         });

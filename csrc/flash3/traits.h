@@ -91,7 +91,7 @@ template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 
 // How much of the softmax of key tile j + 1 a warpgroup computes while its own
-// O += P(j) V(j) is in flight (ForwardTraits::kSoftmaxUnderPv, mainloop_fwd.h): none, the
+// O += P(j) V(j) is in flight (KernelTraits::kSoftmaxUnderPv, mainloop_fwd.h): none, the
 // row max and half the rows' exponentials, or all of it.
 enum class SoftmaxUnderPv { kNone, kHalf, kWhole };
 
@@ -160,7 +160,7 @@ struct KernelTraits {
   // GEMM first). H200 A/Bs against the softmax after that GEMM, bitwise-identical outputs
   // (eleventh and twelfth sessions):
   // - kHalf (the row max and half the rows' exponentials under the GEMM, O's rescale
-  //   beside the other half after it, as in the FP8 kernels): hdim 96 +1..+8% (most at
+  //   beside the other half after it, as in the FP8 kernels): hdim 96 +0..+8% (most at
   //   long non-causal), hdim 128 +0..+3%, hdim 192 +0..+3%; at hdim 64 0.93-1.00 (and its
   //   general non-causal kernel spilled);
   // - kWhole at hdim 256: +1..+3% on all twelve cells; there kHalf gave -1..+4%, ahead
