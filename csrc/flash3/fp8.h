@@ -257,9 +257,14 @@ CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
 // ---------------------------------------------------------------------------------------
 // kSplitChains: the row max and the row sum each run as four independent chains instead
 // of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where).
-template <int kRows, bool kSplitChains>
+// kLazyRescale: as in softmax.h, with kRescaleThreshold below.
+template <int kRows, bool kSplitChains, bool kLazyRescale = false>
 struct OnlineSoftmaxFp8 {
   static constexpr float kMaxOffset = 8.f;
+  // kLazyRescale: how far (log2) a tile may raise a row's max before O and the sum are
+  // rescaled. P is then at most 2^(kMaxOffset + 0.75) = 431, within e4m3's 448, and O's
+  // rescale is skipped in the tiles that raise no max by more (any_rescale).
+  static constexpr float kRescaleThreshold = 0.75f;
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // V-weighted, log2 domain; -inf: no key yet
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
 
@@ -301,9 +306,23 @@ struct OnlineSoftmaxFp8 {
     tile_max = quad_allreduce(tile_max, MaxOp{});
     float const prev_shift = kFirstTile ? 0.f : shift(mi);
     bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
-    row_max(mi) = fmaxf(row_max(mi), tile_max);
+    // The max in use stays unless the tile raises it by more than kRescaleThreshold: a
+    // row with no visible key yet (-inf) takes any new max (+inf or NaN difference).
+    bool const keep = kLazyRescale && !kFirstTile && tile_max - row_max(mi) <= kRescaleThreshold;
+    row_max(mi) = keep ? row_max(mi) : fmaxf(row_max(mi), tile_max);
     // No visible key so far: the accumulator and the sum are 0, any factor will do.
-    return had_keys ? exp2f(prev_shift - shift(mi)) : 1.f;
+    return had_keys && !keep ? exp2f(prev_shift - shift(mi)) : 1.f;
+  }
+
+  // Whether any row of this warp's part of O has a factor other than 1 (a warp-uniform
+  // branch around the rescale); always where the rescale is not lazy.
+  template <class TensorCorrection>
+  CUTLASS_DEVICE static bool any_rescale(TensorCorrection const& correction) {
+    if constexpr (!kLazyRescale) { return true; }
+    bool any = false;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
+    return __any_sync(0xffffffffu, any);
   }
 
   // Row mi of S turned into P in place, and its sum (over P / v) added.

@@ -187,7 +187,7 @@ struct MainloopFwd {
     Policy const policy{params.seqlen_q, params.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
+    OnlineSoftmax<kRows, Traits::kLazyRescale> softmax(params.softmax_scale_log2);
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -266,7 +266,7 @@ struct MainloopFwd {
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
       pipeline_v.consumer_release(read_v);  // UNLOCK V stage
       ++read_v;
-      softmax.rescale(tOrO_rowcol, correction);
+      softmax.rescale_if_needed(tOrO_rowcol, correction);
       if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         CUTE_UNROLL
         for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }

@@ -184,7 +184,7 @@ struct MainloopFwdFp8 {
     Policy const policy{params.seqlen_q, params.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmaxFp8<kRows, Traits::kSplitChains> softmax;
+    OnlineSoftmaxFp8<kRows, Traits::kSplitChains, Traits::kLazyRescale> softmax;
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -296,10 +296,12 @@ struct MainloopFwdFp8 {
       warpgroup_wait<0>();  // O += P V done: P's registers and the V^T stage are free
       pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
       ++read_vt;
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
+      if (softmax.any_rescale(correction)) {
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
+        for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
+        }
       }
       if constexpr (Traits::kSoftmaxUnderPv) {
         CUTE_UNROLL

@@ -15,13 +15,20 @@ namespace flash3 {
 
 using namespace cute;
 
-template <int kRows>
+// kLazyRescale: a row's max in use stays until a tile raises it by more than
+// kRescaleThreshold (log2 domain), and O's rescale is skipped where no row of the warp
+// changed its max (any_rescale; traits.h says where).
+template <int kRows, bool kLazyRescale = false>
 struct OnlineSoftmax {
   // Per row: the running max of the raw scores (-inf until a visible key is seen) and
   // this thread's partial sum of exp2 (the quad reduces the sums once, at the end).
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;
   float const scale_log2;
+  // kLazyRescale: P is at most 2^kRescaleThreshold = 256, which 16-bit operands and the
+  // fp32 accumulators hold with room to spare; the result is the same up to rounding
+  // (out = O / sum and the logsumexp take O and the sum against the same max).
+  static constexpr float kRescaleThreshold = 8.f;
 
   CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
     fill(row_max, -INFINITY);
@@ -45,10 +52,13 @@ struct OnlineSoftmax {
     }
     tile_max = quad_allreduce(tile_max, MaxOp{});
     float const prev_scaled = kFirstTile ? -INFINITY : row_max(mi) * scale_log2;
-    row_max(mi) = tile_max;
+    // Lazy: a row with no visible key yet (-inf) takes any new max, since the difference
+    // is then +inf (or NaN when the tile has no visible key either).
+    bool const keep = kLazyRescale && !kFirstTile && (tile_max - row_max(mi)) * scale_log2 <= kRescaleThreshold;
+    row_max(mi) = keep ? row_max(mi) : tile_max;
     // prev_scaled is -inf when the row had no visible key yet: the factor is then 0,
     // harmless since the accumulator and sum are still 0.
-    return kFirstTile ? 1.f : exp2f(prev_scaled - scaled_max(mi));
+    return kFirstTile || keep ? 1.f : exp2f(prev_scaled - scaled_max(mi));
   }
 
   // Row mi of S turned into P = exp2(S * scale_log2 - max) in place, and its sum added.
@@ -78,6 +88,19 @@ struct OnlineSoftmax {
       exponentiate_row(tSrS_rowcol, mi, correction(mi));
     }
     return correction;
+  }
+
+  // O *= the factors, skipped (kLazyRescale) where every factor of the warp's rows is 1: a
+  // warp-uniform branch, and a multiplication by exactly 1 changes nothing.
+  template <class TensorO, class TensorCorrection>
+  CUTLASS_DEVICE static void rescale_if_needed(TensorO& tOrO_rowcol, TensorCorrection const& correction) {
+    if constexpr (kLazyRescale) {
+      bool any = false;
+      CUTE_UNROLL
+      for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
+      if (!__any_sync(0xffffffffu, any)) { return; }
+    }
+    rescale(tOrO_rowcol, correction);
   }
 
   template <class TensorO, class TensorCorrection>

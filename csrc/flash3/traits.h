@@ -174,6 +174,13 @@ struct KernelTraits {
       kHeadDim == 64                     ? SoftmaxUnderPv::kNone
       : kHeadDim == 256 && !kShortSeq_   ? SoftmaxUnderPv::kWhole
                                          : SoftmaxUnderPv::kHalf;
+  // The max kept until a tile raises it by more than 2^8 and O's rescale skipped where no
+  // row of a warp changed its max (softmax.h). H200 A/B against the exact rescale every
+  // tile (thirteenth session): hdim 96, 128, 192 and 256 +0..+7%, no cell below 1.00;
+  // hdim 64 0.94-1.01 non-causal and 0.89-0.96 causal: there O's rescale is 32
+  // multiplications per tile (64-128 elsewhere), which the row-max test and the warp vote
+  // do not pay for, and the softmax runs after the PV GEMM's wait (kNone) anyway.
+  static constexpr bool kLazyRescale = kHeadDim != 64;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
