@@ -68,9 +68,10 @@ FwdFp8Entry const kFwdFp8Table[] = {
   // others, so that FLASH3_FP8_BLOCK_N still forces the general ones):
   //                                                 key tile  seqlen_k from  to
   {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
-  // Up to 8191 keys: at 8192 the general 192-key kernel (softmax under the PV GEMM, lazy
-  // rescale) measured +3.9% over this one, at 4096 3.3% slower (H200, thirteenth session).
-  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8191},
+  // Up to 4096 keys: above, the general 192-key kernel (softmax under the PV GEMM, lazy
+  // rescale) measured faster (H200, thirteenth session: 5120 +6.7%, 6144 +0.6%, 7168
+  // +1.5%, 8192 +3.9%); at 4096 it was 3% slower.
+  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  4096},
   {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
   // hdim 128 non-causal, 2k-8k keys: the softmax after the PV GEMM (traits_fp8.h
   // kSoftmaxUnderPv; the kernel is persistent either way).
