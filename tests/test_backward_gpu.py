@@ -122,6 +122,29 @@ def test_backward_sectioned_tile_order(seed, d, monkeypatch):
     _check_grads(q, k, v, dout, True, grads)
 
 
+# Odd key-tile counts (401 keys: 7 tiles of 64; 135: 3), both masks, deterministic mode,
+# GQA (dk and dv summed over the group) and a partial section of (batch, head) pairs at
+# hdim 192/256. In a build with clusters of two key tiles (traits_bwd.h kClusterN, an A/B
+# option) these are the cases its pairing must get right: the last cluster's CTA without
+# keys; under the causal mask the pair walks from the first query tile its first key tile
+# sees, which the second does not see (it must add nothing to dq, and take no turn in
+# deterministic mode).
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(333, 401), (577, 135)], ids=["333x401", "577x135"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_backward_key_tile_pairs(seed, d, sq, sk, causal, deterministic, monkeypatch):
+    _skip_unless_built(torch.bfloat16, d, causal)
+    monkeypatch.setenv("FLASH3_HEAD_SECTION", "3")
+    q, k, v, dout = _inputs(seed, 2, sq, sk, 4, 2, d, torch.bfloat16)
+    _, *first = _flash3_grads(q, k, v, dout, causal, deterministic=deterministic)
+    _check_grads(q, k, v, dout, causal, first)
+    if deterministic:
+        _, *again = _flash3_grads(q, k, v, dout, causal, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HDIMS)
 def test_backward_deterministic_is_bitwise_repeatable(seed, d, causal):

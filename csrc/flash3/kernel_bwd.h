@@ -35,6 +35,7 @@ struct FlashBwdKernel {
   using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
 
   static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kClusterN = Traits::kClusterN;
 
   // The kernel's barriers live in the mainloop's storage, so that its size is rounded up
   // to the 1 KB alignment of the tiles only once (hdim 64 has no 1 KB to spare).
@@ -48,8 +49,11 @@ struct FlashBwdKernel {
   // share its Q and dO through L2; under the causal mask tile 0 sees every query tile,
   // so the longest go first. Causal tiles (not deterministic) go in sections of heads,
   // longest first across the section (scheduler.h), with a one-dimensional grid.
+  // With clusters (kClusterN key tiles, traits_bwd.h) the key tiles go in groups of
+  // kClusterN: the grid's x is rounded up to a multiple of it (the last group's extra CTA,
+  // if any, has no keys) and the sections order the groups.
   struct Order {
-    int num_n_blocks;
+    int num_n_blocks;  // rounded up to a multiple of kClusterN
     int nheads;
     int num_bh;
     int section;  // 0: the grid is (key tile, head, batch)
@@ -62,7 +66,7 @@ struct FlashBwdKernel {
   };
 
   static Order order_of(BwdParams const& p) {
-    int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    int const num_n_blocks = (p.seqlen_k + Traits::kBlockN * kClusterN - 1) / (Traits::kBlockN * kClusterN) * kClusterN;
     int section = 0;
     if (Mask::kIsCausal && !p.deterministic) {
       section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads, p.head_section);
@@ -93,8 +97,9 @@ struct FlashBwdKernel {
     if constexpr (Mask::kIsCausal) {
       Order const& order = params.order;
       if (order.section > 0) {
-        SectionedTile const st = sectioned_tile(int(blockIdx.x), order.num_n_blocks, order.section, order.num_bh);
-        return {st.rank, st.bh % order.nheads, st.bh / order.nheads};
+        int const group = int(blockIdx.x) / kClusterN;
+        SectionedTile const st = sectioned_tile(group, order.num_n_blocks / kClusterN, order.section, order.num_bh);
+        return {st.rank * kClusterN + int(blockIdx.x) % kClusterN, st.bh % order.nheads, st.bh / order.nheads};
       }
     }
     bool const deterministic = params.mainloop.dq_semaphore != nullptr;
@@ -118,7 +123,7 @@ struct FlashBwdKernel {
         for (int warpgroup = 0; warpgroup < Traits::kConsumerWarpgroups; ++warpgroup) {
           storage.mainloop.barrier_dq_full[stage][warpgroup].init(/*arrive_count=*/cutlass::NumThreadsPerWarpGroup);
         }
-        storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/1);
+        storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/kClusterN);  // every CTA's dQ warp
       }
       for (int buffer = 0; buffer < Traits::kPdSStages; ++buffer) {
         storage.mainloop.barrier_ds_full[buffer].init(/*arrive_count=*/Traits::kConsumerThreads);
@@ -135,12 +140,19 @@ struct FlashBwdKernel {
       pipeline_params.role = PipelineQ::ThreadCategory::Consumer;
       pipeline_params.is_leader = 0;
     }
-    PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
+    // In a cluster a stage's empty barrier counts the consumer warpgroups of every CTA.
+    PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, typename Traits::ClusterShape{});
     static_assert(Traits::kBytesdO == Traits::kBytesQ);
-    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, typename Traits::ClusterShape{});
 
-    // Barrier and pipeline initialisation must be visible to every thread before use.
-    __syncthreads();
+    // Barrier and pipeline initialisation must be visible to every thread before use (in
+    // a cluster, to every CTA's threads: they arrive on this CTA's barriers and multicast
+    // into its shared memory).
+    if constexpr (kClusterN > 1) {
+      cute::cluster_sync();
+    } else {
+      __syncthreads();
+    }
 
     if (role == WarpGroupRole::Producer) {
       cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
@@ -162,6 +174,7 @@ struct FlashBwdKernel {
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      if (kClusterN > 1 && !Mainloop::has_keys(params.mainloop, n_block)) { return; }  // the cluster's padding
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, batch);
     }

@@ -37,6 +37,7 @@ struct MainloopBwd {
   using PipelinedO = typename Traits::PipelinedO;
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+  static constexpr int kClusterN = Traits::kClusterN;
   static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
   // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
@@ -45,14 +46,17 @@ struct MainloopBwd {
   using ShapeRow = Shape<int32_t, int32_t, int32_t>;
   using StrideRow = Stride<_1, int64_t, int64_t>;
 
+  // Q, dO and the row statistics are shared by the cluster's CTAs (traits_bwd.h kClusterN).
   static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
-    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}));
+    return make_tma_shared_by_cluster<kClusterN>(ptr, shape, stride, take<0, 2>(SmemLayoutQ{}),
+                                                 select<0, 2>(TileShapeSdP{}));
   }
+  using ProducerBarrier = typename PipelineQ::ProducerBarrierType;
   static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}));
   }
   static auto make_tma_row(float const* ptr, ShapeRow const& shape, StrideRow const& stride) {
-    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
+    return make_tma_shared_by_cluster<kClusterN>(ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideRowsHead{}));
   using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideRowsHead{}));
@@ -76,7 +80,9 @@ struct MainloopBwd {
     // because a warpgroup may hand over the next tile before the dQ warp has taken this
     // one. One per warpgroup, so that neither waits for the other's dQ.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
-    // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction.
+    // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction, in
+    // every CTA of the cluster (each dQ warp arrives on all of them): the producers refill
+    // a stage in all of them at once.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
     // kSplitKeys: both consumer warpgroups' halves of dS^T are in buffer b (every consumer
     // thread arrives).
@@ -147,6 +153,16 @@ struct MainloopBwd {
   }
   CUTLASS_DEVICE static int m_block_end(Params const& params) { return (params.seqlen_q + kBlockM - 1) / kBlockM; }
 
+  // The first query tile the CTA walks: the cluster's CTAs walk the same ones (they share
+  // each tile's loads), from the first that sees the cluster's first key tile. Those
+  // before the CTA's own m_block_begin are wholly masked for it: they add nothing to dK
+  // and dV, and the dQ warp adds nothing from them (store_dq). Likewise, where the key
+  // tiles are odd in number, for the last cluster's second CTA, which has no keys.
+  CUTLASS_DEVICE static int m_block_first(Params const& params, int n_block) {
+    return m_block_begin(params, n_block - n_block % kClusterN);
+  }
+  CUTLASS_DEVICE static bool has_keys(Params const& params, int n_block) { return n_block * kBlockN < params.seqlen_k; }
+
   // The last key tile that query tile m_block sees (the inverse of m_block_begin: tile n
   // sees it iff n * kBlockN - (seqlen_k - seqlen_q) < (m_block + 1) * kBlockM); -1 if none.
   CUTLASS_DEVICE static int n_block_last(Params const& params, int m_block) {
@@ -166,7 +182,7 @@ struct MainloopBwd {
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                   PipelineState& write_q, PipelineState& write_do,
                                   int n_block, int head, int batch) {
-    int const m_begin = m_block_begin(params, n_block);
+    int const m_begin = m_block_first(params, n_block);
     int const m_end = m_block_end(params);
     if (m_begin >= m_end) { return; }
     int const head_kv = head / params.head_group;
@@ -191,12 +207,29 @@ struct MainloopBwd {
     Tensor gLSE = local_tile(mLSE, Shape<Int<kBlockM>>{}, make_coord(_));      // (M, m)
     Tensor gdPsum = local_tile(mdPsum, Shape<Int<kBlockM>>{}, make_coord(_));  // (M, m)
 
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    // This CTA's slice of the shared tiles; the multicast writes it to every CTA.
+    auto const cta = [] {
+      if constexpr (kClusterN > 1) {
+        return int(cute::block_rank_in_cluster());
+      } else {
+        return _0{};
+      }
+    }();
+    auto const cluster = Layout<Int<kClusterN>>{};
+    uint16_t const mcast_mask = (1u << kClusterN) - 1;
+    auto shared_by_cluster = [&](auto const& tma, ProducerBarrier* mbar) {
+      if constexpr (kClusterN > 1) {
+        return tma.with(*mbar, mcast_mask);
+      } else {
+        return tma.with(*mbar);
+      }
+    };
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, cta, cluster, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, cta, cluster, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    auto [tLgL, tLsL] = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
-    auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sdPsum), group_modes<0, 1>(gdPsum));
+    auto [tLgL, tLsL] = tma_partition(params.tma_lse, cta, cluster, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
+    auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, cta, cluster, group_modes<0, 1>(sdPsum), group_modes<0, 1>(gdPsum));
 
     storage.barrier_kv.arrive_and_expect_tx(Traits::kBytesKV);
     auto& kv_mbar = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(storage.barrier_kv);
@@ -210,16 +243,32 @@ struct MainloopBwd {
         int const uses = m_block - m_begin - Traits::kStages;
         if (uses >= 0) { storage.barrier_dq_read[write_q.index()].wait((uses / Traits::kStages) & 1); }
       }
+      // In a cluster the stage is free once the consumers of every CTA have released it
+      // (the pipelines count their arrivals); each CTA's full barrier expects the whole
+      // tile, its own slice and the others'.
       pipeline_q.producer_acquire(write_q);  // LOCK Q stage
       auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
-      copy(params.tma_q.with(*q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-      copy(params.tma_lse.with(*q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
+      copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+      copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
       ++write_q;
       pipeline_do.producer_acquire(write_do);  // LOCK dO stage
       auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
-      copy(params.tma_do.with(*do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
-      copy(params.tma_dpsum.with(*do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+      copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+      copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
       ++write_do;
+    }
+    if constexpr (kClusterN > 1) {
+      // The other CTAs' consumers and dQ warps arrive on this CTA's barriers until their
+      // last tile: it must not exit (and its shared memory go to a new CTA) before every
+      // such arrival has landed.
+      pipeline_q.producer_tail(write_q);
+      pipeline_do.producer_tail(write_do);
+      if constexpr (!Traits::kDqViaSmem) {
+        int const n_tiles = m_end - m_begin;
+        for (int u = max(n_tiles - Traits::kStages, 0); u < n_tiles; ++u) {
+          storage.barrier_dq_read[u % Traits::kStages].wait((u / Traits::kStages) & 1);
+        }
+      }
     }
   }
 
@@ -264,7 +313,7 @@ struct MainloopBwd {
                                             int thread_idx, int n_block, int head, int batch) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_begin(params, n_block);
+    int const m_begin = m_block_first(params, n_block);
     int const m_end = m_block_end(params);
     if (m_begin >= m_end) { return; }
 
@@ -518,7 +567,7 @@ struct MainloopBwd {
                                           int thread_idx, int n_block, int head, int batch) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_begin(params, n_block);
+    int const m_begin = m_block_first(params, n_block);
     int const m_end = m_block_end(params);
     if (m_begin >= m_end) { return; }
 
@@ -669,8 +718,11 @@ struct MainloopBwd {
   // done.
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
     // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
-    int const m_begin = m_block_begin(params, n_block);
+    int const m_begin = m_block_first(params, n_block);
     int const m_end = m_block_end(params);
+    // Query tiles the cluster walks but this key tile does not see (m_block_first) add
+    // nothing: no reduction, no turn in deterministic mode.
+    int const m_own_begin = has_keys(params, n_block) ? m_block_begin(params, n_block) : m_end;
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int64_t const head_tile0 = (int64_t(batch) * params.nheads + head) * m_end;
     constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
@@ -685,7 +737,8 @@ struct MainloopBwd {
           Traits::kDqViaSmem ? storage.smem_dq.data() + Traits::kDqElements / 2
                              : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements)};
       float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
-      int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+      bool const adds = kClusterN == 1 || m_block >= m_own_begin;
+      int* semaphore = params.dq_semaphore != nullptr && adds ? params.dq_semaphore + head_tile0 + m_block : nullptr;
       int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
@@ -698,7 +751,7 @@ struct MainloopBwd {
             asm volatile("fence.proxy.async.global;" ::: "memory");
           }
 #ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what adding dQ costs
-          bulk_reduce_add(dq_tile + half * (Traits::kDqElements / 2), halves[half], kHalfBytes);
+          if (adds) { bulk_reduce_add(dq_tile + half * (Traits::kDqElements / 2), halves[half], kHalfBytes); }
 #endif
           cute::tma_store_arrive();  // one bulk group per half
         }
@@ -728,7 +781,12 @@ struct MainloopBwd {
         // The producer waits for this before refilling the stages.
         if (lane == 0) {
           cute::tma_store_wait<0>();
-          storage.barrier_dq_read[stage].arrive();  // UNLOCK Q and dO stage
+          if constexpr (kClusterN > 1) {
+            CUTE_UNROLL
+            for (int cta = 0; cta < kClusterN; ++cta) { storage.barrier_dq_read[stage].arrive(cta); }  // UNLOCK Q and dO stage
+          } else {
+            storage.barrier_dq_read[stage].arrive();  // UNLOCK Q and dO stage
+          }
         }
       }
     }

@@ -96,6 +96,23 @@ struct BwdKernelTraits {
   // staging code there made ptxas spill 8 bytes in the loop.
   static constexpr bool kTmaStoredKV = kHeadDim != 64;
 
+  // kClusterN = 2 (hdim 192/256 only, an A/B option: NVCC_APPEND_FLAGS=-DFLASH3_BWD_CLUSTER=2):
+  // the CTAs of adjacent key tiles (2p, 2p + 1) of one head form a cluster and walk the
+  // same query tiles; each loads half of every Q, dO, lse and dPsum tile and multicasts
+  // it to both, so L2 serves each such tile once per pair. It halves the L2 reads of the
+  // hdim 256 backward (ncu: 1.05e9 -> 0.56e9 sectors, L2 throughput 81% -> 71% of peak,
+  // non-causal 16k) but the pair's stages are refilled only when both CTAs are done with
+  // them (and, at hdim 256, both dQ warps have read the dQ written over them), and that
+  // coupling costs more than the reads: 0.90-0.97 of the single-CTA kernel at hdim 256,
+  // 0.95-1.00 at hdim 192, deterministic mode 0.75-0.86 (H200, fourteenth session).
+#ifdef FLASH3_BWD_CLUSTER
+  static constexpr int kClusterN = kHeadDim > 128 ? FLASH3_BWD_CLUSTER : 1;
+#else
+  static constexpr int kClusterN = 1;
+#endif
+  static_assert(kClusterN == 1 || !kSplitKeys, "the pingpong (split-keys) loop does not share query tiles");
+  using ClusterShape = Shape<Int<kClusterN>, _1, _1>;
+
   // Both GEMM families split a mode across the two warpgroups.
   using AtomLayoutSplitN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
   using AtomLayoutSplitM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
