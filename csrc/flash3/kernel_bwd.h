@@ -123,7 +123,9 @@ struct FlashBwdKernel {
         for (int warpgroup = 0; warpgroup < Traits::kConsumerWarpgroups; ++warpgroup) {
           storage.mainloop.barrier_dq_full[stage][warpgroup].init(/*arrive_count=*/cutlass::NumThreadsPerWarpGroup);
         }
-        storage.mainloop.barrier_dq_read[stage].init(/*arrive_count=*/kClusterN);  // every CTA's dQ warp
+        for (int half = 0; half < Mainloop::SharedStorage::kDqReadBarriers; ++half) {
+          storage.mainloop.barrier_dq_read[stage][half].init(/*arrive_count=*/kClusterN);  // every CTA's dQ warp
+        }
       }
       for (int buffer = 0; buffer < Traits::kPdSStages; ++buffer) {
         storage.mainloop.barrier_ds_full[buffer].init(/*arrive_count=*/Traits::kConsumerThreads);

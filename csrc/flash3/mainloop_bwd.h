@@ -80,10 +80,12 @@ struct MainloopBwd {
     // because a warpgroup may hand over the next tile before the dQ warp has taken this
     // one. One per warpgroup, so that neither waits for the other's dQ.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
-    // Without kDqViaSmem: stage s's dQ has been read by the dQ warp's bulk reduction, in
-    // every CTA of the cluster (each dQ warp arrives on all of them): the producers refill
-    // a stage in all of them at once.
-    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages];
+    // Without kDqViaSmem: the dQ half over Q stage s ([s][0], warpgroup 0's) or over dO
+    // stage s ([s][1]) has been read by the dQ warp's bulk reduction, in every CTA of the
+    // cluster (each dQ warp arrives on all of them): the producers refill a stage in all
+    // of them at once. One per half, so that Q is refilled while the second half is read.
+    static constexpr int kDqReadBarriers = Traits::kDqViaSmem ? 1 : 2;  // (unused with kDqViaSmem)
+    alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages][kDqReadBarriers];
     // kSplitKeys: both consumer warpgroups' halves of dS^T are in buffer b (every consumer
     // thread arrives).
     alignas(16) cutlass::arch::ClusterBarrier barrier_ds_full[Traits::kPdSStages];
@@ -238,10 +240,10 @@ struct MainloopBwd {
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      // The stages were last used by tile m - kStages, whose dQ the dQ warp reads from them.
+      [[maybe_unused]] int const uses = m_block - m_begin - Traits::kStages;
       if constexpr (!Traits::kDqViaSmem) {
-        // The stage was last used by tile m - kStages, whose dQ the dQ warp reads from it.
-        int const uses = m_block - m_begin - Traits::kStages;
-        if (uses >= 0) { storage.barrier_dq_read[write_q.index()].wait((uses / Traits::kStages) & 1); }
+        if (uses >= 0) { storage.barrier_dq_read[write_q.index()][0].wait((uses / Traits::kStages) & 1); }
       }
       // In a cluster the stage is free once the consumers of every CTA have released it
       // (the pipelines count their arrivals); each CTA's full barrier expects the whole
@@ -251,6 +253,9 @@ struct MainloopBwd {
       copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
       copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
       ++write_q;
+      if constexpr (!Traits::kDqViaSmem) {
+        if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
+      }
       pipeline_do.producer_acquire(write_do);  // LOCK dO stage
       auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
       copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
@@ -266,7 +271,8 @@ struct MainloopBwd {
       if constexpr (!Traits::kDqViaSmem) {
         int const n_tiles = m_end - m_begin;
         for (int u = max(n_tiles - Traits::kStages, 0); u < n_tiles; ++u) {
-          storage.barrier_dq_read[u % Traits::kStages].wait((u / Traits::kStages) & 1);
+          storage.barrier_dq_read[u % Traits::kStages][0].wait((u / Traits::kStages) & 1);
+          storage.barrier_dq_read[u % Traits::kStages][1].wait((u / Traits::kStages) & 1);
         }
       }
     }
@@ -778,19 +784,26 @@ struct MainloopBwd {
         __syncwarp();
         if (more) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmptyWG1); }  // UNLOCK sdQ half 1
       } else {
-        // The producer waits for this before refilling the stages.
+        // The producer waits for these before refilling the stages: the Q stage once half
+        // 0 has been read (tma_store_wait<1> above, or the whole wait_group in
+        // deterministic mode), the dO stage once half 1 has.
         if (lane == 0) {
+          release_dq_read(storage, stage, 0);  // UNLOCK Q stage
           cute::tma_store_wait<0>();
-          if constexpr (kClusterN > 1) {
-            CUTE_UNROLL
-            for (int cta = 0; cta < kClusterN; ++cta) { storage.barrier_dq_read[stage].arrive(cta); }  // UNLOCK Q and dO stage
-          } else {
-            storage.barrier_dq_read[stage].arrive();  // UNLOCK Q and dO stage
-          }
+          release_dq_read(storage, stage, 1);  // UNLOCK dO stage
         }
       }
     }
     if (lane == 0) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+  }
+
+  CUTLASS_DEVICE static void release_dq_read(SharedStorage& storage, int stage, int half) {
+    if constexpr (kClusterN > 1) {
+      CUTE_UNROLL
+      for (int cta = 0; cta < kClusterN; ++cta) { storage.barrier_dq_read[stage][half].arrive(cta); }
+    } else {
+      storage.barrier_dq_read[stage][half].arrive();
+    }
   }
 
   // global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group).
