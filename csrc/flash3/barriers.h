@@ -30,6 +30,10 @@ enum class NamedBarrier : int {
   // longer used): K and V are dead, then dK and dV are staged over them. The hardware
   // has no id left, so it shares dSFull's.
   dKVStaging = dSFull,
+  // Backward, dQ over the Q/dO stages (hdim 256): both consumer warpgroups' GEMMs have
+  // read the dO stage (warpgroup 1 writes its dQ half over it). Those kernels have no dQ
+  // buffer, so DqEmptyWG0's id is free there.
+  dOStageRead = DqEmptyWG0,
 };
 static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 8 <= 16,
               "named barrier ids run past the 16 the hardware has");

@@ -242,25 +242,33 @@ struct MainloopBwd {
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
       // The stages were last used by tile m - kStages, whose dQ the dQ warp reads from them.
       [[maybe_unused]] int const uses = m_block - m_begin - Traits::kStages;
-      if constexpr (!Traits::kDqViaSmem) {
-        if (uses >= 0) { storage.barrier_dq_read[write_q.index()][0].wait((uses / Traits::kStages) & 1); }
-      }
       // In a cluster the stage is free once the consumers of every CTA have released it
       // (the pipelines count their arrivals); each CTA's full barrier expects the whole
       // tile, its own slice and the others'.
-      pipeline_q.producer_acquire(write_q);  // LOCK Q stage
-      auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
-      copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-      copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
-      ++write_q;
-      if constexpr (!Traits::kDqViaSmem) {
+      auto load_q = [&] {
+        pipeline_q.producer_acquire(write_q);  // LOCK Q stage
+        auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
+        copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+        copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
+        ++write_q;
+      };
+      auto load_do = [&] {
+        pipeline_do.producer_acquire(write_do);  // LOCK dO stage
+        auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
+        copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+        copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+        ++write_do;
+      };
+      if constexpr (Traits::kDqViaSmem) {
+        load_q();
+        load_do();
+      } else {
+        // The dQ half over the dO stage is handed over and read first (store_dq).
         if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
+        load_do();
+        if (uses >= 0) { storage.barrier_dq_read[write_q.index()][0].wait((uses / Traits::kStages) & 1); }
+        load_q();
       }
-      pipeline_do.producer_acquire(write_do);  // LOCK dO stage
-      auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
-      copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
-      copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
-      ++write_do;
     }
     if constexpr (kClusterN > 1) {
       // The other CTAs' consumers and dQ warps arrive on this CTA's barriers until their
@@ -544,15 +552,32 @@ struct MainloopBwd {
       sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
     } else {
       named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
-      Element* stage = warpgroup == 0 ? storage.smem_q.data() + stage_q * kStageElements
-                                      : storage.smem_do.data() + stage_do * kStageElements;
-      sdQ = reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
+      sdQ = dq_half_over_stages(storage, warpgroup, stage_q, stage_do);
     }
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 4) {
       sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
     if constexpr (kPublish) { publish_dq(storage, thread_idx, stage_q); }
+  }
+  // Without kDqViaSmem: where warpgroup w's half goes, the Q stage (w = 0) or the dO stage,
+  // as float4s indexed by dq_float4_index.
+  CUTLASS_DEVICE static float4* dq_half_over_stages(SharedStorage& storage, int warpgroup, int stage_q, int stage_do) {
+    Element* stage = warpgroup == 0 ? storage.smem_q.data() + stage_q * kStageElements
+                                    : storage.smem_do.data() + stage_do * kStageElements;
+    return reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
+  }
+  // The same, the caller having made sure that no GEMM reads the stage any more.
+  template <class TensordQ>
+  CUTLASS_DEVICE static void hand_over_dq_unsynced(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
+                                                   int stage_q, int stage_do) {
+    static_assert(!Traits::kDqViaSmem);
+    float4* sdQ = dq_half_over_stages(storage, thread_idx / cutlass::NumThreadsPerWarpGroup, stage_q, stage_do);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 4) {
+      sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    }
+    publish_dq(storage, thread_idx, stage_q);
   }
   // The second half of a hand-over: the fence waits for this thread's stores to land, so
   // the pingpong loop issues its next GEMM between the two halves.
@@ -682,15 +707,45 @@ struct MainloopBwd {
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(kConsumerThreads, NamedBarrier::dSFull);
 
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
-      warpgroup_wait<0>();
-
-      hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
+      if constexpr (Traits::kDqViaSmem) {
+        warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
+        warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
+        warpgroup_wait<0>();
+        hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
+      } else {
+        // dQ goes over the tile's Q stage (warpgroup 0's half) and dO stage (warpgroup
+        // 1's). The dO stage is dead once both warpgroups' dV is done, the Q stage only
+        // once both dK are, so dQ is issued before dK and warpgroup 1 hands its half
+        // over while dK runs; the dQ warp reduces that half first (store_dq).
+        int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+        warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
+        warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
+        // Each stage goes back to the producer as soon as this warpgroup's GEMMs are done
+        // with it; the producer also waits for the dQ warp to have read the dQ half
+        // written over it (barrier_dq_read).
+        // (The WGMMA waits stay outside the branches on the warpgroup: inside them ptxas
+        // serialised every WGMMA.)
+        warpgroup_wait<1>();  // dV (issued before) and dQ done: this warpgroup no longer reads dO
+        if (warpgroup == 0) {
+          named_barrier_arrive(kConsumerThreads, NamedBarrier::dOStageRead);
+          pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
+        } else {
+          named_barrier_sync(kConsumerThreads, NamedBarrier::dOStageRead);  // LOCK dO stage for dQ
+          pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
+          hand_over_dq_unsynced(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
+        }
+        warpgroup_wait<0>();  // dK done: this warpgroup no longer reads Q
+        if (warpgroup == 0) {
+          named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);  // LOCK Q stage for dQ
+          hand_over_dq_unsynced(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
+        } else {
+          named_barrier_arrive(kConsumerThreads, NamedBarrier::QdOStagesRead);
+        }
+      }
       pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
       ++read_q;
-      pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
+      if constexpr (Traits::kDqViaSmem) { pipeline_do.consumer_release(read_do); }  // UNLOCK dO stage
       ++read_do;
       pds ^= 1;
     };
@@ -722,6 +777,8 @@ struct MainloopBwd {
   // tile 0, which sees all query tiles: causal backward ran 1.6x slower.) The grid
   // launches higher key tiles first (kernel_bwd.h), so the one waited for is running or
   // done.
+  // Without kDqViaSmem the dO half (warpgroup 1's) is handed over first (mma_lockstep).
+  static constexpr int kFirstHalf = Traits::kDqViaSmem ? 0 : 1;
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
     // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
     int const m_begin = m_block_first(params, n_block);
@@ -747,10 +804,11 @@ struct MainloopBwd {
       int* semaphore = params.dq_semaphore != nullptr && adds ? params.dq_semaphore + head_tile0 + m_block : nullptr;
       int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < 2; ++i) {
+        int const half = i ^ kFirstHalf;
         storage.barrier_dq_full[stage][half].wait(phase);  // LOCK sdQ half
         if (lane == 0) {
-          if (half == 0 && semaphore != nullptr) {
+          if (i == 0 && semaphore != nullptr) {
             turn = n_block_last(params, m_block) - n_block;
             while (cuda_ld_acquire(semaphore) != turn) {}
             // Order the acquire before the (async-proxy) reductions below.
@@ -772,7 +830,7 @@ struct MainloopBwd {
           __threadfence();
           cuda_st_release(semaphore, turn + 1);
         } else {
-          cute::tma_store_wait<1>();  // half 0 has been read
+          cute::tma_store_wait<1>();  // the first half has been read
         }
       }
       __syncwarp();
@@ -784,13 +842,13 @@ struct MainloopBwd {
         __syncwarp();
         if (more) { named_barrier_arrive(kDqBarrierThreads, NamedBarrier::DqEmptyWG1); }  // UNLOCK sdQ half 1
       } else {
-        // The producer waits for these before refilling the stages: the Q stage once half
-        // 0 has been read (tma_store_wait<1> above, or the whole wait_group in
-        // deterministic mode), the dO stage once half 1 has.
+        // The producer waits for these before refilling the stages: the dO stage once
+        // half 1, the first reduced, has been read (tma_store_wait<1> above, or the whole
+        // wait_group in deterministic mode), the Q stage once half 0 has.
         if (lane == 0) {
-          release_dq_read(storage, stage, 0);  // UNLOCK Q stage
-          cute::tma_store_wait<0>();
           release_dq_read(storage, stage, 1);  // UNLOCK dO stage
+          cute::tma_store_wait<0>();
+          release_dq_read(storage, stage, 0);  // UNLOCK Q stage
         }
       }
     }
