@@ -245,29 +245,28 @@ struct MainloopBwd {
       // In a cluster the stage is free once the consumers of every CTA have released it
       // (the pipelines count their arrivals); each CTA's full barrier expects the whole
       // tile, its own slice and the others'.
-      auto load_q = [&] {
-        pipeline_q.producer_acquire(write_q);  // LOCK Q stage
-        auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
-        copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-        copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
-        ++write_q;
-      };
-      auto load_do = [&] {
+      // Without kDqViaSmem the dQ half over the dO stage is handed over and read first
+      // (store_dq), so dO is loaded first, each stage once its dQ half has been read.
+      if constexpr (!Traits::kDqViaSmem) {
+        if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
         pipeline_do.producer_acquire(write_do);  // LOCK dO stage
         auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
         copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
         copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
         ++write_do;
-      };
-      if constexpr (Traits::kDqViaSmem) {
-        load_q();
-        load_do();
-      } else {
-        // The dQ half over the dO stage is handed over and read first (store_dq).
-        if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
-        load_do();
         if (uses >= 0) { storage.barrier_dq_read[write_q.index()][0].wait((uses / Traits::kStages) & 1); }
-        load_q();
+      }
+      pipeline_q.producer_acquire(write_q);  // LOCK Q stage
+      auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
+      copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+      copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
+      ++write_q;
+      if constexpr (Traits::kDqViaSmem) {
+        pipeline_do.producer_acquire(write_do);  // LOCK dO stage
+        auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
+        copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+        copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+        ++write_do;
       }
     }
     if constexpr (kClusterN > 1) {
