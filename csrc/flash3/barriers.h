@@ -23,8 +23,9 @@ enum class NamedBarrier : int {
   // Backward: the dQ warp's bulk reduction has read consumer warpgroup i's half of the
   // dQ buffer (kDqViaSmem); DqEmptyWG0 + i.
   DqEmptyWG0 = 5,
-  // Backward (dQ in the Q/dO stages): both consumer warpgroups' GEMMs have read them.
-  QdOStagesRead = 6,
+  // Backward, dQ over the Q/dO stages (hdim 256): both consumer warpgroups' GEMMs have
+  // read the Q stage (warpgroup 0 writes its dQ half over it; dOStageRead below for dO).
+  QStageRead = 6,
   DqEmptyWG1 = 7,
   // Backward epilogue (consumers only, after their last query tile, when dSFull is no
   // longer used): K and V are dead, then dK and dV are staged over them. The hardware

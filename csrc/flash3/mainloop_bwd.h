@@ -537,22 +537,16 @@ struct MainloopBwd {
   }
 
   // Hands this warpgroup's half of a query tile's dQ (d / 2 columns, float32) to the dQ
-  // warp through shared memory: its own buffer (kDqViaSmem), or else the tile's Q stage
-  // (warpgroup 0) or dO stage (warpgroup 1), once both warpgroups' GEMMs have read them
-  // (the producer refills them only after the dQ warp's read).
+  // warp through its own shared-memory buffer (kDqViaSmem; without it, see
+  // hand_over_dq_over_stages). stage_q names the hand-over's barrier.
   template <bool kPublish = true, class TensordQ>
   CUTLASS_DEVICE static void hand_over_dq(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
-                                          bool first_tile, int stage_q, int stage_do) {
+                                          bool first_tile, int stage_q, [[maybe_unused]] int stage_do) {
+    static_assert(Traits::kDqViaSmem);
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    float4* sdQ;
-    if constexpr (Traits::kDqViaSmem) {
-      // The dQ warp's bulk reduction of this warpgroup's previous half must have read it.
-      if (!first_tile) { named_barrier_sync(kDqBarrierThreads, dq_empty_barrier(warpgroup)); }  // LOCK sdQ half
-      sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
-    } else {
-      named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);
-      sdQ = dq_half_over_stages(storage, warpgroup, stage_q, stage_do);
-    }
+    // The dQ warp's bulk reduction of this warpgroup's previous half must have read it.
+    if (!first_tile) { named_barrier_sync(kDqBarrierThreads, dq_empty_barrier(warpgroup)); }  // LOCK sdQ half
+    float4* sdQ = reinterpret_cast<float4*>(storage.smem_dq.data());
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 4) {
       sdQ[Traits::dq_float4_index(i, thread_idx)] = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
@@ -566,10 +560,12 @@ struct MainloopBwd {
                                     : storage.smem_do.data() + stage_do * kStageElements;
     return reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
   }
-  // The same, the caller having made sure that no GEMM reads the stage any more.
+  // Without kDqViaSmem: this warpgroup's half over the tile's Q stage (warpgroup 0) or dO
+  // stage (warpgroup 1), the caller having made sure that no GEMM reads that stage any
+  // more (mma_lockstep); the producer refills it only after the dQ warp's read.
   template <class TensordQ>
-  CUTLASS_DEVICE static void hand_over_dq_unsynced(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
-                                                   int stage_q, int stage_do) {
+  CUTLASS_DEVICE static void hand_over_dq_over_stages(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
+                                                      int stage_q, int stage_do) {
     static_assert(!Traits::kDqViaSmem);
     float4* sdQ = dq_half_over_stages(storage, thread_idx / cutlass::NumThreadsPerWarpGroup, stage_q, stage_do);
     CUTE_UNROLL
@@ -732,14 +728,14 @@ struct MainloopBwd {
         } else {
           named_barrier_sync(kConsumerThreads, NamedBarrier::dOStageRead);  // LOCK dO stage for dQ
           pipeline_do.consumer_release(read_do);  // UNLOCK dO stage
-          hand_over_dq_unsynced(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
+          hand_over_dq_over_stages(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
         }
         warpgroup_wait<0>();  // dK done: this warpgroup no longer reads Q
         if (warpgroup == 0) {
-          named_barrier_sync(kConsumerThreads, NamedBarrier::QdOStagesRead);  // LOCK Q stage for dQ
-          hand_over_dq_unsynced(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
+          named_barrier_sync(kConsumerThreads, NamedBarrier::QStageRead);  // LOCK Q stage for dQ
+          hand_over_dq_over_stages(storage, tdQrdQ, thread_idx, read_q.index(), read_do.index());
         } else {
-          named_barrier_arrive(kConsumerThreads, NamedBarrier::QdOStagesRead);
+          named_barrier_arrive(kConsumerThreads, NamedBarrier::QStageRead);
         }
       }
       pipeline_q.consumer_release(read_q);  // UNLOCK Q stage
