@@ -35,6 +35,10 @@ enum class NamedBarrier : int {
   // read the dO stage (warpgroup 1 writes its dQ half over it). Those kernels have no dQ
   // buffer, so DqEmptyWG0's id is free there.
   dOStageRead = DqEmptyWG0,
+  // Forward (kOInKVStages, traits.h): both consumer warpgroups' last GEMMs of a tile are
+  // done, so O may be staged over the tile's last K and V stages. Forward kernels use
+  // none of the backward's ids.
+  OStaging = PFull,
 };
 static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 8 <= 16,
               "named barrier ids run past the 16 the hardware has");

@@ -150,11 +150,34 @@ struct EpilogueFwdTma {
   template <class TensorO, class TensorLse>
   CUTLASS_DEVICE static void store(Params const& params, Element* smem_o, TensorO const& tOrO, TensorLse const& lse,
                                    int thread_idx, int m_block, int head, int batch) {
-    typename Traits::TiledMmaPV tiled_mma_pv;
-    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
+    stage_and_store<SmemLayoutO, typename Traits::TiledMmaPV>(params, smem_o, tOrO, thread_idx, thread_idx, m_block,
+                                                               head, batch);
+    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
+  }
+
+  // The same with each consumer warpgroup's 64 rows staged in a buffer of its own
+  // (smem_o_warpgroup, 64 x d, the layout below; Traits::kOInKVStages).
+  using SmemLayoutOWarpgroup = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, Int<kHeadDim>>{}));
+  template <class TensorO, class TensorLse>
+  CUTLASS_DEVICE static void store_warpgroup(Params const& params, Element* smem_o_warpgroup, TensorO const& tOrO,
+                                             TensorLse const& lse, int thread_idx, int m_block, int head, int batch) {
+    stage_and_store<SmemLayoutOWarpgroup, typename Traits::TiledMmaPVWarpgroup>(
+        params, smem_o_warpgroup, tOrO, thread_idx % cutlass::NumThreadsPerWarpGroup, thread_idx, m_block, head, batch);
+    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
+  }
+
+ private:
+  // tOrO to the staging buffer (SmemLayout, partitioned as TiledMma's thread mma_thread),
+  // then this warp's 16 rows to global memory by TMA: the tile's rows 16 w .. 16 w + 15
+  // (w = thread_idx / 32) are the buffer's rows from 16 (mma_thread / 32).
+  template <class SmemLayout, class TiledMma, class TensorO>
+  CUTLASS_DEVICE static void stage_and_store(Params const& params, Element* smem_o, TensorO const& tOrO,
+                                             int mma_thread, int thread_idx, int m_block, int head, int batch) {
+    TiledMma tiled_mma_pv;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayout{});
     // STSM: four 8x8 matrices per instruction from the accumulator's register layout.
     auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
-    auto smem_thr_copy_o = smem_tiled_copy_o.get_thread_slice(thread_idx);
+    auto smem_thr_copy_o = smem_tiled_copy_o.get_thread_slice(mma_thread);
     Tensor rO = make_tensor<Element>(tOrO.layout());
     convert_into(tOrO, rO);
     Tensor tOsO = smem_thr_copy_o.partition_D(sO);
@@ -170,7 +193,8 @@ struct EpilogueFwdTma {
       for (int c = 0; c < kHeadDim / kAtomCols; ++c) {
         // The box starts on a swizzle-atom boundary: its offset is that of the unswizzled
         // layout (TMA applies the swizzle from the address bits).
-        Element* box = smem_o + SmemLayoutO{}.layout_b()(warp * kRowsPerWarp, c * kAtomCols);
+        Element* box = smem_o + SmemLayout{}.layout_b()((mma_thread / cutlass::NumThreadsPerWarp) * kRowsPerWarp,
+                                                        c * kAtomCols);
         Tensor sBox = make_tensor(make_smem_ptr(box), SmemLayoutBox{});
         auto [tBgO, tBsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox),
                                           group_modes<0, 2>(gO));  // (TMA, d / atom), (TMA)
@@ -178,7 +202,6 @@ struct EpilogueFwdTma {
       }
       cute::tma_store_arrive();
     }
-    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
   }
 };
 

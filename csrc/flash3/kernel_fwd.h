@@ -39,6 +39,12 @@ struct FlashFwdKernel {
   using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
 
   static constexpr int kThreads = Traits::kThreads;
+  // One K or V stage, in elements (the stage is the outermost mode of their layouts).
+  static constexpr int kStageElements = Traits::kBlockN * Traits::kHeadDim;
+  static_assert(!Traits::kOInKVStages ||
+                (kStageElements * Traits::kStages == cute::cosize_v<typename Traits::SmemLayoutK> &&
+                 kStageElements >= 64 * Traits::kHeadDim && (kStageElements * sizeof(Element)) % 1024 == 0),
+                "a K or V stage holds one warpgroup's 64 rows of O, 1024-byte aligned");
 
   struct NoStorage {};
   struct SharedStorage {
@@ -137,7 +143,26 @@ struct FlashFwdKernel {
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
                                  q_phase, pipeline_k, pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
         if (has_keys) { q_phase ^= 1; }
-        if constexpr (Traits::kTmaStoreO) {
+        if constexpr (Traits::kOInKVStages) {
+          if (has_keys) {
+            // The tile's last K and V stages (the mainloop left them locked) take the two
+            // warpgroups' rows of O once both warpgroups' GEMMs are done with them.
+            int const last_k = (read_k.index() + Traits::kStages - 1) % Traits::kStages;
+            int const last_v = (read_v.index() + Traits::kStages - 1) % Traits::kStages;
+            named_barrier_sync(Traits::kConsumerThreads, NamedBarrier::OStaging);
+            int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+            Element* staging = warpgroup == 0 ? storage.mainloop.smem_v.data() + last_v * kStageElements
+                                              : storage.mainloop.smem_k.data() + last_k * kStageElements;
+            Epilogue::store_warpgroup(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head,
+                                      tile.batch);
+            Epilogue::wait_staging_read();
+            // UNLOCK the K and V stages: O has left them (only their index is read).
+            pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
+            pipeline_v.consumer_release(PipelineState(last_v, 0, 0));
+          } else {
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+          }
+        } else if constexpr (Traits::kTmaStoreO) {
           if (has_keys) {
             Element* staging = Traits::kSmemOSeparate ? smem_o_of(storage) : storage.mainloop.smem_q.data();
             if constexpr (Traits::kSmemOSeparate) { Epilogue::wait_staging_read(); }  // LOCK sO (this warp's rows)

@@ -216,7 +216,8 @@ struct MainloopFwd {
     warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     scheduler.pass_turn();
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+    // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
+    if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
     ++read_k;
     // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
     if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
@@ -240,7 +241,8 @@ struct MainloopFwd {
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
       scheduler.pass_turn();
       warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
-      pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+      // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
+      if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
       ++read_k;
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
       if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
@@ -280,7 +282,8 @@ struct MainloopFwd {
     warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     scheduler.pass_turn();
     warpgroup_wait<0>();
-    pipeline_v.consumer_release(read_v);  // UNLOCK V stage
+    // UNLOCK V stage (where O is staged over it: after O's store, by the kernel)
+    if constexpr (!Traits::kOInKVStages) { pipeline_v.consumer_release(read_v); }
     ++read_v;
 
     return softmax.finalize(tOrO_rowcol, params.softmax_scale);

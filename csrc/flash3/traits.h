@@ -132,9 +132,9 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kSho
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = kShortSeq ? 64 : 80, kStages = 2;
   static constexpr bool kPersistent = kShortSeq, kPingpong = !(kShortSeq && kIsCausal);
-  // Short tiles too, though O then waits in Q's buffer until the store has read it:
-  // direct stores (Q free after the last Q K^T) measured 13-14% slower at 512 tokens
-  // and 10% at 1k causal.
+  // Short tiles too: their O is staged over the last K and V stages (kOInKVStages below);
+  // direct stores (Q free after the last Q K^T) had measured 13-14% slower at 512 tokens
+  // and 10% at 1k causal than O staged over Q.
   static constexpr bool kTmaStoreO = true;
 };
 
@@ -197,10 +197,11 @@ struct KernelTraits {
   // O += P V: P comes from registers (the S accumulator converted in place); V is read
   // from shared memory as an MN-major operand (head dim contiguous), so no transpose
   // is needed for 16-bit types.
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutMNK{}));
+  using MmaAtomPV = decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>());
+  using TiledMmaPV = decltype(make_tiled_mma(MmaAtomPV{}, AtomLayoutMNK{}));
+  // One warpgroup's share of it (its 64 rows), for O staged per warpgroup (kOInKVStages).
+  using TiledMmaPVWarpgroup = decltype(make_tiled_mma(MmaAtomPV{}));
 
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
@@ -232,7 +233,7 @@ struct KernelTraits {
   // A persistent kernel would then hold the next tile's Q load until O has left, so it
   // gets a buffer of its own where shared memory allows (hdim 96 non-causal, the hdim 64
   // and 128 short tiles). The hdim 256 short tiles have no room for one (2 x 64 KB of Q
-  // and O beside 128 KB of K/V stages) and stage O in Q's buffer.
+  // and O beside 128 KB of K/V stages) and stage O over K/V stages (kOInKVStages).
 #ifdef FLASH3_FWD_O_FROM_REGISTERS
   static constexpr bool kTmaStoreO = false;
 #else
@@ -240,7 +241,20 @@ struct KernelTraits {
 #endif
   static constexpr bool kSmemOSeparate =
       kTmaStoreO && kPersistent && 2 * kBytesQ + 2 * kStages * kBytesKV + 1024 <= 227 * 1024;
-  static constexpr bool kReleaseQAfterEpilogue = kTmaStoreO && !kSmemOSeparate;
+  // kOInKVStages: a persistent kernel without room for a separate buffer (the hdim 256
+  // short tiles) stages each warpgroup's 64 rows of O over the tile's last V stage
+  // (warpgroup 0) and last K stage (warpgroup 1), each kBlockN x d, instead of over Q:
+  // Q is then released after the last Q K^T as usual, and what waits for the store is the
+  // next tile's second K and V, not its Q (its first K and V go to the other stage).
+  // H200 A/B against O over Q (fifteenth session, three passes each, outputs bitwise
+  // identical): non-causal 512 +3.8%; causal 512 +4.0%, 1k +1.9%.
+#ifdef FLASH3_FWD_O_IN_KV_STAGES
+  static constexpr bool kOInKVStages = FLASH3_FWD_O_IN_KV_STAGES &&
+#else
+  static constexpr bool kOInKVStages =
+#endif
+      kTmaStoreO && kPersistent && !kSmemOSeparate && kBlockN >= 64 && kConsumerWarpgroups == 2;
+  static constexpr bool kReleaseQAfterEpilogue = kTmaStoreO && !kSmemOSeparate && !kOInKVStages;
 };
 
 }  // namespace flash3
