@@ -100,6 +100,8 @@ struct EpilogueFwd {
 // (the kernel passes Q's own buffer, or a buffer of its own where shared memory allows),
 // and each warp touches only its own 16 rows of it: those rows of Q were read only by
 // its own warpgroup's Q K^T, which has completed, so no barrier across warps is needed.
+// store_warpgroup instead takes one 64-row buffer per warpgroup (the kernel passes a
+// K or V stage, after a barrier across the warpgroups: Traits::kOInKVStages).
 // A TMA box is 16 rows by one swizzle atom of columns (64 at 16-bit and 128-byte
 // swizzle), contiguous in shared memory; TMA skips rows past seqlen_q.
 template <class Traits>
@@ -140,8 +142,8 @@ struct EpilogueFwdTma {
   }
 
   // Before a warp writes its rows of the staging buffer again (or the buffer is handed
-  // back to Q, or the CTA exits): its earlier TMA stores have finished reading them. The
-  // bulk-async groups belong to the lane that committed them.
+  // back to Q or to the K/V pipelines, or the CTA exits): its earlier TMA stores have
+  // finished reading them. The bulk-async groups belong to the lane that committed them.
   CUTLASS_DEVICE static void wait_staging_read() {
     if (threadIdx.x % cutlass::NumThreadsPerWarp == 0) { cute::tma_store_wait<0>(); }
     __syncwarp();

@@ -9,6 +9,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/device_kernel.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/version.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "barriers.h"
@@ -45,6 +46,12 @@ struct FlashFwdKernel {
                 (kStageElements * Traits::kStages == cute::cosize_v<typename Traits::SmemLayoutK> &&
                  kStageElements >= 64 * Traits::kHeadDim && (kStageElements * sizeof(Element)) % 1024 == 0),
                 "a K or V stage holds one warpgroup's 64 rows of O, 1024-byte aligned");
+  // kOInKVStages releases a K or V stage from every consumer thread once its own warp's
+  // TMA stores have read it; that frees the stage only after all warps' stores if the
+  // pipeline counts every consumer thread's arrival, as CUTLASS 4's PipelineTmaAsync does
+  // in a one-CTA cluster (older releases counted one signalling thread per warpgroup).
+  static_assert(!Traits::kOInKVStages || CUTLASS_MAJOR >= 4,
+                "kOInKVStages needs CUTLASS 4's PipelineTmaAsync arrival counting (tested with 4.2)");
 
   struct NoStorage {};
   struct SharedStorage {
@@ -98,8 +105,8 @@ struct FlashFwdKernel {
     }
 
     // The producer warp's elected thread arrives with the transaction bytes; every
-    // consumer thread releases a stage, and the pipeline counts one arrival per consumer
-    // warpgroup.
+    // consumer thread releases a stage, and (CUTLASS 4, one-CTA cluster) the pipeline
+    // counts every consumer thread's arrival.
     typename PipelineK::Params pipeline_params;
     pipeline_params.transaction_bytes = Traits::kBytesKV;
     pipeline_params.num_consumers = Traits::kConsumerThreads;
@@ -156,7 +163,9 @@ struct FlashFwdKernel {
             Epilogue::store_warpgroup(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head,
                                       tile.batch);
             Epilogue::wait_staging_read();
-            // UNLOCK the K and V stages: O has left them (only their index is read).
+            // UNLOCK the K and V stages: O has left them (only their index is read). Each
+            // thread arrives after its own warp's stores have read the stage, and the stage
+            // frees only when all 256 have arrived (static_assert above).
             pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
             pipeline_v.consumer_release(PipelineState(last_v, 0, 0));
           } else {

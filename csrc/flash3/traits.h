@@ -229,7 +229,8 @@ struct KernelTraits {
 
   // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA, unless
   // built with FLASH3_FWD_O_FROM_REGISTERS (the A/B experiment against direct stores).
-  // The staging buffer has Q's size. A kernel with one tile per CTA reuses Q's buffer:
+  // The staging buffer has Q's size (per warpgroup, with kOInKVStages below, 64 rows over
+  // a K or V stage). A kernel with one tile per CTA reuses Q's buffer:
   // each warp's rows are free once its warpgroup's last Q K^T is done, and Q is handed
   // back to the producer (which has no next tile to load) after the store has read them.
   // A persistent kernel would then hold the next tile's Q load until O has left, so it
