@@ -26,7 +26,9 @@ struct FlashFwdKernelFp8 {
   using Traits = Traits_;
   using Mask = Mask_;
   using Mainloop = MainloopFwdFp8<Traits, Mask>;
-  using Epilogue = EpilogueFwd<Traits, typename Traits::ElementOut>;
+  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<typename Traits::OutputTraits>,
+                                      EpilogueFwd<Traits, typename Traits::ElementOut>>;
+  using ElementOut = typename Traits::ElementOut;
   using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
@@ -35,8 +37,14 @@ struct FlashFwdKernelFp8 {
 
   static constexpr int kThreads = Traits::kThreads;
 
+  struct NoStorage {};
   struct SharedStorage {
     typename Mainloop::SharedStorage mainloop;
+    // O's staging buffer (kTmaStoreO): each warp writes and stores its own 16 rows.
+    std::conditional_t<Traits::kTmaStoreO,
+                       cute::array_aligned<ElementOut, cute::cosize_v<typename Traits::OutputTraits::SmemLayoutQ>, 1024>,
+                       NoStorage>
+        smem_o;
     // Q: full when its TMA bytes have landed; empty when both consumer warpgroups have
     // finished their last Q K^T of the tile.
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full;
@@ -71,6 +79,7 @@ struct FlashFwdKernelFp8 {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.barrier_q_full.init(/*arrive_count=*/1);
       storage.barrier_q_empty.init(/*arrive_count=*/Traits::kConsumerThreads);
+      if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
     }
 
     // K: TMA -> consumers. V: TMA -> the producer warpgroup's transposer. V^T: transposer
@@ -129,8 +138,16 @@ struct FlashFwdKernelFp8 {
                                  q_phase, pipeline_k, pipeline_vt, read_k, read_vt, tOrO, thread_idx, tile.m_block,
                                  tile.head, tile.batch);
         if (has_keys) { q_phase ^= 1; }
-        Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+        if constexpr (Traits::kTmaStoreO) {
+          Epilogue::wait_staging_read();  // LOCK sO (this warp's rows): its previous store has read them
+          Epilogue::store(params.epilogue, storage.smem_o.data(), tOrO, lse, thread_idx, tile.m_block, tile.head,
+                          tile.batch);
+        } else {
+          Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+        }
       }
+      // TMA stores read shared memory asynchronously; it must outlive them.
+      if constexpr (Traits::kTmaStoreO) { Epilogue::wait_staging_read(); }
     }
   }
 };

@@ -145,6 +145,33 @@ struct KernelTraitsFp8 {
   using Transpose = TransposeV<SmemLayoutV, SmemLayoutVt, kBlockN, kHeadDim, kProducerThreads,
                                kProducerRegisters >= 40 ? 2 : 1>;
 
+  // kTmaStoreO: O (bf16) leaves through a shared-memory buffer of its own and TMA stores
+  // (EpilogueFwdTma, epilogue_fwd.h) rather than straight from registers: the consumers
+  // hand the rows over in a few STSM and go on to the next tile, and the global writes
+  // are whole lines. Shared memory has room at hdim <= 128 (24-32 KB beside 60-112 KB).
+  // H200 A/B against direct stores (fifteenth session, three passes each, outputs
+  // bitwise identical): hdim 128 non-causal +16 / +10 / +3% at 512 / 1k / 2k, causal
+  // +31 / +15 / +7 / +3% at 512-4k, within 1% from 8k; hdim 64 causal +7..+1% from 512
+  // to 16k; hdim 64 non-causal +3% at 512 but 5-9% slower from 2k (three consumer
+  // warpgroups on 152 registers, persistent), so it keeps direct stores.
+  // OutputTraits is what that epilogue reads: a bf16 tile of Q's shape ("SmemLayoutQ":
+  // the staging layout) and the PV MMA, whose accumulator layout is that of any 64 x N
+  // WGMMA.
+#ifdef FLASH3_FP8_TMA_STORE_O
+  static constexpr bool kTmaStoreO = FLASH3_FP8_TMA_STORE_O && kHeadDim <= 128;
+#else
+  static constexpr bool kTmaStoreO = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
+#endif
+  struct OutputTraits {
+    using Element = ElementOut;
+    static constexpr int kBlockM = KernelTraitsFp8::kBlockM;
+    static constexpr int kHeadDim = KernelTraitsFp8::kHeadDim;
+    using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+        GMMA::Major::K, ElementOut, Int<kBlockM>, Int<kHeadDim>>());
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using TiledMmaPV = KernelTraitsFp8::TiledMmaPV;
+  };
+
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;  // TMA -> transposer
   using PipelineVt = cutlass::PipelineAsync<kStages>;    // transposer -> consumers
