@@ -7,6 +7,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/version.h>
 #include <cutlass/device_kernel.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
@@ -26,7 +27,7 @@ struct FlashFwdKernelFp8 {
   using Traits = Traits_;
   using Mask = Mask_;
   using Mainloop = MainloopFwdFp8<Traits, Mask>;
-  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<typename Traits::OutputTraits>,
+  using Epilogue = std::conditional_t<Traits::kTmaStoreO || Traits::kOInKVStages, EpilogueFwdTma<typename Traits::OutputTraits>,
                                       EpilogueFwd<Traits, typename Traits::ElementOut>>;
   using ElementOut = typename Traits::ElementOut;
   using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
@@ -36,6 +37,14 @@ struct FlashFwdKernelFp8 {
   using PipelineState = typename Traits::PipelineState;
 
   static constexpr int kThreads = Traits::kThreads;
+  // One K or V^T stage, in bytes (the stage is the outermost mode of their layouts).
+  static constexpr int kStageBytesK = cute::cosize_v<typename Traits::SmemLayoutK> / Traits::kStages;
+  static constexpr int kStageBytesVt = cute::cosize_v<typename Traits::SmemLayoutVt> / Traits::kStages;
+  static_assert(!Traits::kOInKVStages ||
+                    (kStageBytesK >= 64 * Traits::kHeadDim * 2 && kStageBytesVt >= 64 * Traits::kHeadDim * 2 &&
+                     kStageBytesK % 1024 == 0 && kStageBytesVt % 1024 == 0 && CUTLASS_MAJOR >= 4),
+                "a K or V^T stage holds one warpgroup's 64 rows of O (bf16), 1024-byte aligned; the release after "
+                "the store needs CUTLASS 4's arrival counting (kernel_fwd.h)");
 
   struct NoStorage {};
   struct SharedStorage {
@@ -79,7 +88,7 @@ struct FlashFwdKernelFp8 {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.barrier_q_full.init(/*arrive_count=*/1);
       storage.barrier_q_empty.init(/*arrive_count=*/Traits::kConsumerThreads);
-      if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
+      if constexpr (Traits::kTmaStoreO || Traits::kOInKVStages) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
     }
 
     // K: TMA -> consumers. V: TMA -> the producer warpgroup's transposer. V^T: transposer
@@ -138,7 +147,29 @@ struct FlashFwdKernelFp8 {
                                  q_phase, pipeline_k, pipeline_vt, read_k, read_vt, tOrO, thread_idx, tile.m_block,
                                  tile.head, tile.batch);
         if (has_keys) { q_phase ^= 1; }
-        if constexpr (Traits::kTmaStoreO) {
+        if constexpr (Traits::kOInKVStages) {
+          if (has_keys) {
+            // The tile's last K and V^T stages (the mainloop left them locked) take the two
+            // warpgroups' rows of O once both warpgroups' GEMMs are done with them.
+            int const last_k = (read_k.index() + Traits::kStages - 1) % Traits::kStages;
+            int const last_vt = (read_vt.index() + Traits::kStages - 1) % Traits::kStages;
+            named_barrier_sync(Traits::kConsumerThreads, NamedBarrier::OStaging);
+            uint8_t* const staging =
+                thread_idx < cutlass::NumThreadsPerWarpGroup
+                    ? reinterpret_cast<uint8_t*>(storage.mainloop.smem_vt.data()) + last_vt * kStageBytesVt
+                    : reinterpret_cast<uint8_t*>(storage.mainloop.smem_k.data()) + last_k * kStageBytesK;
+            Epilogue::store_warpgroup(params.epilogue, reinterpret_cast<ElementOut*>(staging), tOrO, lse, thread_idx,
+                                      tile.m_block, tile.head, tile.batch);
+            Epilogue::wait_staging_read();
+            // UNLOCK the K and V^T stages: O has left them (only their index is read). Each
+            // thread arrives after its own warp's stores have read the stage; the stage
+            // frees when all consumer threads have arrived (CUTLASS 4; kernel_fwd.h).
+            pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
+            pipeline_vt.consumer_release(PipelineState(last_vt, 0, 0));
+          } else {
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+          }
+        } else if constexpr (Traits::kTmaStoreO) {
           Epilogue::wait_staging_read();  // LOCK sO (this warp's rows): its previous store has read them
           Epilogue::store(params.epilogue, storage.smem_o.data(), tOrO, lse, thread_idx, tile.m_block, tile.head,
                           tile.batch);
@@ -147,7 +178,7 @@ struct FlashFwdKernelFp8 {
         }
       }
       // TMA stores read shared memory asynchronously; it must outlive them.
-      if constexpr (Traits::kTmaStoreO) { Epilogue::wait_staging_read(); }
+      if constexpr (Traits::kTmaStoreO || Traits::kOInKVStages) { Epilogue::wait_staging_read(); }
     }
   }
 };

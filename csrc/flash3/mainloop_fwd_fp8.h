@@ -243,7 +243,8 @@ struct MainloopFwdFp8 {
     warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     turns.template pass_turn</*kFinalIssue=*/false>();
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+    // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
+    if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
     ++read_k;
     if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
     {
@@ -267,7 +268,8 @@ struct MainloopFwdFp8 {
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
       turns.template pass_turn</*kFinalIssue=*/false>();
       warpgroup_wait<1>();  // S(j) has landed; O += P(j+1) V(j+1) may still run
-      pipeline_k.consumer_release(read_k);  // UNLOCK K stage
+      // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
+      if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
       ++read_k;
       if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
@@ -319,7 +321,8 @@ struct MainloopFwdFp8 {
     warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_vt.index()), tOrO);
     turns.template pass_turn</*kFinalIssue=*/true>();
     warpgroup_wait<0>();
-    pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage
+    // UNLOCK V^T stage (where O is staged over it: after O's store, by the kernel)
+    if constexpr (!Traits::kOInKVStages) { pipeline_vt.consumer_release(read_vt); }
     ++read_vt;
 
     return softmax.finalize(tOrO_rowcol);

@@ -162,6 +162,19 @@ struct KernelTraitsFp8 {
 #else
   static constexpr bool kTmaStoreO = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
 #endif
+  // kOInKVStages (hdim 256, whose shared memory has no room for O's buffer): as in the
+  // 16-bit hdim 256 short kernels (traits.h), each consumer warpgroup stages its 64 rows
+  // of O over one of the tile's last stages, warpgroup 0 over the last V^T stage and
+  // warpgroup 1 over the last K stage (32 KB each), which the mainloop then leaves
+  // locked until the store has read them. H200 A/B against direct stores (fifteenth
+  // session, three passes each, outputs bitwise identical): non-causal +16.5 / +10.5 /
+  // +6.7 / +5.0 / +3.4 / +2.5% at 512-16k, causal +22.9 / +14.8 / +9.7 / +6.0 / +4.4 /
+  // +2.3%.
+#ifdef FLASH3_FP8_O_IN_KV_STAGES
+  static constexpr bool kOInKVStages = FLASH3_FP8_O_IN_KV_STAGES && kHeadDim == 256;
+#else
+  static constexpr bool kOInKVStages = kHeadDim == 256;
+#endif
   struct OutputTraits {
     using Element = ElementOut;
     static constexpr int kBlockM = KernelTraitsFp8::kBlockM;
@@ -170,6 +183,11 @@ struct KernelTraitsFp8 {
         GMMA::Major::K, ElementOut, Int<kBlockM>, Int<kHeadDim>>());
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using TiledMmaPV = KernelTraitsFp8::TiledMmaPV;
+    // One warpgroup's share of it (kOInKVStages stages O per warpgroup).
+    using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<typename KernelTraitsFp8::Element, typename KernelTraitsFp8::Element, float,
+                             Shape<_64, Int<kHeadDim>, Int<KernelTraitsFp8::kBlockN>>, GMMA::Major::K,
+                             GMMA::Major::K>()));
   };
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
