@@ -2,12 +2,12 @@
 // type, and the logsumexp per query row.
 //
 // Two paths. EpilogueFwd stores O straight from registers: each thread writes pairs of
-// adjacent columns (4 bytes), rows past seqlen_q are skipped; the kernels whose shared
-// memory has no room to stage O (FP8 hdim 256) or where staging measured slower, and
-// tiles that see no key, use it. EpilogueFwdTma (most 16-bit kernels, FP8 hdim 128 and
-// hdim 64 causal) stages O in shared memory with STSM and stores it with TMA, 16 rows
-// per warp, so each warp goes on as soon as its own rows are out of its registers and
-// the global writes are full 128-byte lines.
+// adjacent columns (4 bytes), rows past seqlen_q are skipped; the kernels where staging
+// measured slower (the general 16-bit hdim 64 and 128 non-causal ones, FP8 hdim 64
+// non-causal), and tiles that see no key, use it. EpilogueFwdTma (the other 16-bit and
+// FP8 kernels) stages O in shared memory with STSM and stores it with TMA, 16 rows per
+// warp, so each warp goes on as soon as its own rows are out of its registers and the
+// global writes are full 128-byte lines.
 #pragma once
 
 #include <cute/tensor.hpp>
