@@ -91,10 +91,17 @@ struct BwdKernelTraits {
 #endif
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
 
-  // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h), except at
-  // hdim 64, whose 128-row query tiles keep the mainloop at the 240-register limit: the
-  // staging code there made ptxas spill 8 bytes in the loop.
-  static constexpr bool kTmaStoredKV = kHeadDim != 64;
+  // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h). hdim 64 stored
+  // them straight from registers until the fifteenth session (its staging code had made
+  // ptxas spill 8 bytes in the loop; with today's kernel and CUDA 13 it spills none):
+  // through TMA it measured +1..+7% (0.997 at non-causal 8k; causal 16k +4.0%),
+  // deterministic mode -0.6..+8.4% (H200 A/B, three passes each, bitwise-identical
+  // gradients). FLASH3_BWD_TMA_STORED_KV=0 restores the direct stores for A/B builds.
+#ifdef FLASH3_BWD_TMA_STORED_KV
+  static constexpr bool kTmaStoredKV = FLASH3_BWD_TMA_STORED_KV;
+#else
+  static constexpr bool kTmaStoredKV = true;
+#endif
 
   // kClusterN = 2 (hdim 192/256 only, an A/B option: NVCC_APPEND_FLAGS=-DFLASH3_BWD_CLUSTER=2):
   // the CTAs of adjacent key tiles (2p, 2p + 1) of one head form a cluster and walk the
