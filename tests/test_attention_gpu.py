@@ -103,6 +103,32 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
     _check_against_reference(q, k, v, causal, out, lse)
 
 
+# The kernels take each row's max on the scores' bits as integers (utils.h row_max_bits),
+# exact where a thread's part of a row holds a score >= 0; a warp with a part whose scores
+# are all negative (or masked) takes the float max. Head 0: every score negative (q <= 0,
+# k >= 0). Head 1: scores negative against the second half of the keys, which the kernels
+# walk first, and positive against the first half, so both paths meet in one row. Head 2:
+# random signs.
+def _signed_heads(q, k):
+    q, k = q.abs(), k.abs()
+    q[:, :, 0] = -q[:, :, 0]
+    k[:, k.shape[1] // 2 :, 1] = -k[:, k.shape[1] // 2 :, 1]
+    q[:, :, 2] *= torch.randn_like(q[:, :, 2]).sign()
+    return q, k
+
+
+@pytest.mark.parametrize("seqlens", [(700, 1300), (2500, 2300)], ids=["700x1300", "2500x2300"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HDIMS)
+def test_rows_with_negative_scores(seed, d, causal, seqlens):
+    _skip_unless_built(torch.bfloat16, d, causal)
+    sq, sk = seqlens
+    q, k, v = _make_qkv(seed, 1, sq, sk, 3, 3, d, torch.bfloat16)
+    q, k = _signed_heads(q, k)
+    out, lse = _run(q, k, v, causal, scale=0.3 / math.sqrt(d))
+    _check_against_reference(q, k, v, causal, out, lse, scale=0.3 / math.sqrt(d))
+
+
 # The causal kernels with one CTA per tile (at 2500 x 2300 all four head dims here: the
 # lengths are above the short-sequence kernels' limits) take their tiles in sections of
 # (batch, head) pairs, longest first across a section (scheduler.h). 10 pairs in sections

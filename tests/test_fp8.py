@@ -224,6 +224,26 @@ def test_fp8_kernel_gqa_and_varying_scales(request, seed, d, sk):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sk", [1300, 8300])
+def test_fp8_rows_with_negative_scores(seed, d, causal, sk):
+    """Rows whose scores are all negative take the float row max instead of the integer
+    one (fp8.h update_row_maxes): heads of all-negative, half-negative and random-sign
+    scores, as in test_attention_gpu.py; 8300 keys reach the 192-key hdim 128 kernels."""
+    _skip_unless_built(d, causal)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(1, s, 3, d, device="cuda", generator=g) for s in (300, sk, sk))
+    q, k = q.abs(), k.abs()
+    q[:, :, 0] = -q[:, :, 0]
+    k[:, sk // 2 :, 1] = -k[:, sk // 2 :, 1]
+    q[:, :, 2] *= torch.randn(q[:, :, 2].shape, device="cuda", generator=g).sign()
+    t = fp8.quantize(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    out, lse = fp8.attention_fp8(*t, causal=causal, return_lse=True, softmax_scale=0.3 / math.sqrt(d))
+    _check_kernel(t, causal, out, lse, softmax_scale=0.3 / math.sqrt(d))
+
+
+@gpu
 def test_fp8_descales_fa3_style():
     """FlashAttention-3's per-(batch, kv-head) descales give the same result as the same
     scales spelled as block scales."""

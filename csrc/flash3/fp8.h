@@ -256,9 +256,10 @@ CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
 // cancels in O / sum. Each exponent is one FFMA, exp2(S * c_g - (shift - log2 v_scale(g))).
 // ---------------------------------------------------------------------------------------
 // kSplitChains: the row max and the row sum each run as four independent chains instead
-// of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where).
-// kLazyRescale: as in softmax.h, with kRescaleThreshold below.
-template <int kRows, bool kSplitChains, bool kLazyRescale = false>
+// of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where;
+// with kIntRowMax the max is a tree instead).
+// kLazyRescale: as in softmax.h, with kRescaleThreshold below. kIntRowMax: as in softmax.h.
+template <int kRows, bool kSplitChains, bool kLazyRescale = false, bool kIntRowMax = false>
 struct OnlineSoftmaxFp8 {
   static constexpr float kMaxOffset = 8.f;
   // kLazyRescale: how far (log2) a tile may raise a row's max before O and the sum are
@@ -281,29 +282,59 @@ struct OnlineSoftmaxFp8 {
   // holds the columns [g, g + 1) * kCols / kGroups.
   static constexpr int kChains = kSplitChains ? 4 : 1;
 
-  // Row mi's running (V-weighted) max updated with tile S; returns the factor by which its
-  // row of O must be rescaled.
-  template <bool kFirstTile, int kGroups, class TensorS>
-  CUTLASS_DEVICE float update_row_max(TensorS const& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
-                                      float const (&log2_v)[kGroups]) {
+  // This thread's part of row mi's tile max (V-weighted, log2 domain), by FMNMX: in
+  // kChains dependent chains (the kernels without kIntRowMax), or as a pairwise tree (the
+  // fallback of update_row_maxes).
+  template <bool kTree, int kGroups, class TensorS>
+  CUTLASS_DEVICE static float thread_tile_max(TensorS const& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
+                                              float const (&log2_v)[kGroups]) {
     constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
     static_assert(kGroupCols * kGroups == decltype(size<1>(tSrS_rowcol))::value && kGroupCols % kChains == 0);
     float tile_max = -INFINITY;
     CUTE_UNROLL
     for (int g = 0; g < kGroups; ++g) {
-      float part[kChains];
-      CUTE_UNROLL
-      for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
-      CUTE_UNROLL
-      for (int ni = 0; ni < kGroupCols; ++ni) {
-        part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
+      float group_max;
+      if constexpr (kTree) {
+        group_max = row_max_float<kGroupCols>(tSrS_rowcol, mi, g * kGroupCols);
+      } else {
+        float part[kChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
+        CUTE_UNROLL
+        for (int ni = 0; ni < kGroupCols; ++ni) {
+          part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
+        }
+        group_max = part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
       }
-      float group_max = part[0];
-      CUTE_UNROLL
-      for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
       tile_max = fmaxf(tile_max, fmaf(group_max, scale_log2[g], log2_v[g]));
     }
-    tile_max = quad_allreduce(tile_max, MaxOp{});
+    return tile_max;
+  }
+
+  // The same from the integer max of the scores' bits (utils.h row_max_bits); exact is
+  // cleared where a group's part holds no score >= +0 (its result is then not its max).
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE static float thread_tile_max_int(TensorS const& tSrS_rowcol, int mi,
+                                                  float const (&scale_log2)[kGroups],
+                                                  float const (&log2_v)[kGroups], bool& exact) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    float tile_max = -INFINITY;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      int const bits = row_max_bits<kGroupCols>(tSrS_rowcol, mi, g * kGroupCols);
+      exact &= bits >= 0;
+      tile_max = fmaxf(tile_max, fmaf(__int_as_float(bits), scale_log2[g], log2_v[g]));
+    }
+    return tile_max;
+  }
+
+  // Row mi's running (V-weighted) max updated with the thread's part of the tile max;
+  // returns the factor by which its row of O must be rescaled.
+  template <bool kFirstTile>
+  CUTLASS_DEVICE float merge_row_max(float thread_max, int mi) {
+    float const tile_max = quad_allreduce(thread_max, MaxOp{});
     float const prev_shift = kFirstTile ? 0.f : shift(mi);
     bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
     // The max in use stays unless the tile raises it by more than kRescaleThreshold: a
@@ -312,6 +343,41 @@ struct OnlineSoftmaxFp8 {
     row_max(mi) = keep ? row_max(mi) : fmaxf(row_max(mi), tile_max);
     // No visible key so far: the accumulator and the sum are 0, any factor will do.
     return had_keys && !keep ? exp2f(prev_shift - shift(mi)) : 1.f;
+  }
+
+  // Every row's running max updated with tile S; correction(mi) gets row mi's O rescale.
+  // The thread's parts come from the scores' integer max, and a warp where any part was
+  // not exact (all its scores negative: rare for real scores) takes FMNMX for all its
+  // rows, as do tiles under the mask (masked: warp-uniform); both give the same bits
+  // where both are exact.
+  template <bool kFirstTile, int kGroups, class TensorS, class TensorCorrection>
+  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, float const (&scale_log2)[kGroups],
+                                       float const (&log2_v)[kGroups], TensorCorrection& correction, bool masked) {
+    float thread_max[kRows];
+    if constexpr (kIntRowMax) {
+      bool exact = false;
+      if (!masked) {
+        exact = true;
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = thread_tile_max_int(tSrS_rowcol, mi, scale_log2, log2_v, exact);
+        }
+        exact = __all_sync(0xffffffffu, exact);
+      }
+      if (!exact) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scale_log2, log2_v);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        thread_max[mi] = thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v);
+      }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = merge_row_max<kFirstTile>(thread_max[mi], mi); }
   }
 
   // Whether any row of this warp's part of O has a factor other than 1 (a warp-uniform
@@ -356,13 +422,20 @@ struct OnlineSoftmaxFp8 {
   // Both, row by row. Returns the O rescale per row.
   template <bool kFirstTile, int kGroups, class TensorS>
   CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float const (&scale_log2)[kGroups],
-                                    float const (&log2_v)[kGroups], float const (&inv_v)[kGroups]) {
+                                    float const (&log2_v)[kGroups], float const (&inv_v)[kGroups], bool masked) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      correction(mi) = update_row_max<kFirstTile>(tSrS_rowcol, mi, scale_log2, log2_v);
-      exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi));
+    if constexpr (kIntRowMax) {
+      update_row_maxes<kFirstTile>(tSrS_rowcol, scale_log2, log2_v, correction, masked);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi)); }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        correction(mi) = merge_row_max<kFirstTile>(
+            thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v), mi);
+        exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi));
+      }
     }
     return correction;
   }

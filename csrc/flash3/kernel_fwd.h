@@ -186,7 +186,10 @@ struct FlashFwdKernel {
             Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
           }
         } else {
-          Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+          // The thread index read afresh: the rows and addresses derived from it are then
+          // computed here rather than kept live (or spilled) across the mainloop.
+          int const epilogue_thread_idx = int(reread_thread_idx_x()) - cutlass::NumThreadsPerWarpGroup;
+          Epilogue::store(params.epilogue, tOrO, lse, epilogue_thread_idx, tile.m_block, tile.head, tile.batch);
         }
       }
       // TMA stores read shared memory asynchronously; it must outlive them.

@@ -187,7 +187,7 @@ struct MainloopFwd {
     Policy const policy{params.seqlen_q, params.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmax<kRows, Traits::kLazyRescale> softmax(params.softmax_scale_log2);
+    OnlineSoftmax<kRows, Traits::kLazyRescale, Traits::kIntRowMax> softmax(params.softmax_scale_log2);
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -223,7 +223,8 @@ struct MainloopFwd {
     if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
-      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol);
+      bool const masked = policy.needs_mask(m_block, n_block);
+      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, masked);
     }
     // P(j) in the element type, read by the PV WGMMA as its register A operand.
     Tensor rP = make_tensor<Element>(tSrS.layout());
@@ -247,23 +248,23 @@ struct MainloopFwd {
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
       if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
+      bool const masked = policy.needs_mask(m_block, n_block);  // the softmax's row max path
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
       if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
         // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
         // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
-        run_in_own_block(zero, [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol); });
+        run_in_own_block(zero, [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, masked); });
       } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
         // O's rescale then fills the issue slots that the second half's exponentials leave
         // free (they wait on the MUFU pipe).
         run_in_own_block(zero, [&] {
-          CUTE_UNROLL
-          for (int mi = 0; mi < kRows; ++mi) { correction(mi) = softmax.template update_row_max</*kFirstTile=*/false>(tSrS_rowcol, mi); }
+          softmax.template update_row_maxes</*kFirstTile=*/false>(tSrS_rowcol, correction, masked);
           CUTE_UNROLL
           for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
         });
       } else {
-        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol);
+        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, masked);
       }
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
       pipeline_v.consumer_release(read_v);  // UNLOCK V stage

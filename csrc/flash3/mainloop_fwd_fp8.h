@@ -184,7 +184,7 @@ struct MainloopFwdFp8 {
     Policy const policy{params.seqlen_q, params.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmaxFp8<kRows, Traits::kSplitChains, Traits::kLazyRescale> softmax;
+    OnlineSoftmaxFp8<kRows, Traits::kSplitChains, Traits::kLazyRescale, Traits::kIntRowMax> softmax;
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -249,8 +249,9 @@ struct MainloopFwdFp8 {
     if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
+      bool const masked = policy.needs_mask(m_block, n_block);
       softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, tile_scales.qk_log2, tile_scales.log2_v,
-                                                          tile_scales.inv_v);
+                                                          tile_scales.inv_v, masked);
     }
     // P in e4m3, in the register order of the PV WGMMA's A operand.
     Tensor tOrP = make_tensor<Element>(partition_shape_A(tiled_mma_pv, select<0, 2>(typename Traits::TileShapePV{})));
@@ -273,6 +274,7 @@ struct MainloopFwdFp8 {
       ++read_k;
       if (n_block == 0) { barrier_q_empty.arrive(); }  // UNLOCK sQ
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
+      bool const masked = policy.needs_mask(m_block, n_block);  // the softmax's row max path
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
       if constexpr (Traits::kSoftmaxUnderPv) {
         // The row max and the first half of the rows' exponentials run while O += P V is in
@@ -280,11 +282,8 @@ struct MainloopFwdFp8 {
         // O's rescale then fills the issue slots that the second half's exponentials leave
         // free (they wait on the MUFU pipe).
         run_in_own_block(zero, [&] {
-          CUTE_UNROLL
-          for (int mi = 0; mi < kRows; ++mi) {
-            correction(mi) = softmax.template update_row_max</*kFirstTile=*/false>(
-                tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v);
-          }
+          softmax.template update_row_maxes</*kFirstTile=*/false>(tSrS_rowcol, tile_scales.qk_log2,
+                                                                  tile_scales.log2_v, correction, masked);
           CUTE_UNROLL
           for (int mi = 0; mi < kRows / 2; ++mi) {
             softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v,
@@ -292,8 +291,8 @@ struct MainloopFwdFp8 {
           }
         });
       } else {
-        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales.qk_log2,
-                                                                        tile_scales.log2_v, tile_scales.inv_v);
+        correction = softmax.template online_update</*kFirstTile=*/false>(
+            tSrS_rowcol, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v, masked);
       }
       warpgroup_wait<0>();  // O += P V done: P's registers and the V^T stage are free
       pipeline_vt.consumer_release(read_vt);  // UNLOCK V^T stage

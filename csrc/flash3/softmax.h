@@ -18,7 +18,8 @@ using namespace cute;
 // kLazyRescale: a row's max in use stays until a tile raises it by more than
 // kRescaleThreshold (log2 domain), and O's rescale is skipped where no row of the warp
 // changed its max (any_rescale; traits.h says where).
-template <int kRows, bool kLazyRescale = false>
+// kIntRowMax: the row max from the scores' bits (update_row_maxes; traits.h says where).
+template <int kRows, bool kLazyRescale = false, bool kIntRowMax = false>
 struct OnlineSoftmax {
   // Per row: the running max of the raw scores (-inf until a visible key is seen) and
   // this thread's partial sum of exp2 (the quad reduces the sums once, at the end).
@@ -41,16 +42,27 @@ struct OnlineSoftmax {
     return row_max(mi) == -INFINITY ? 0.f : row_max(mi) * scale_log2;
   }
 
-  // Row mi's running max updated with tile S (raw scores); returns the factor by which
-  // its row of the output accumulator must be rescaled.
-  template <bool kFirstTile, class TensorS>
-  CUTLASS_DEVICE float update_row_max(TensorS const& tSrS_rowcol, int mi) {
-    float tile_max = row_max(mi);
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
-      tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni));
+  // This thread's part of row mi's tile max (raw scores), by FMNMX: as a dependent chain
+  // that starts from the running max (the kernels without kIntRowMax), or as a pairwise
+  // tree (the fallback of update_row_maxes; merge_row_max adds the running max).
+  template <bool kTree, class TensorS>
+  CUTLASS_DEVICE float thread_tile_max(TensorS const& tSrS_rowcol, int mi) const {
+    constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
+    if constexpr (kTree) {
+      return row_max_float<kCols>(tSrS_rowcol, mi, 0);
+    } else {
+      float tile_max = row_max(mi);
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) { tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni)); }
+      return tile_max;
     }
-    tile_max = quad_allreduce(tile_max, MaxOp{});
+  }
+
+  // Row mi's running max updated with the thread's part of the tile max; returns the
+  // factor by which its row of the output accumulator must be rescaled.
+  template <bool kFirstTile>
+  CUTLASS_DEVICE float merge_row_max(float thread_max, int mi) {
+    float const tile_max = quad_allreduce(kIntRowMax ? fmaxf(row_max(mi), thread_max) : thread_max, MaxOp{});
     float const prev_scaled = kFirstTile ? -INFINITY : row_max(mi) * scale_log2;
     // Lazy: a row with no visible key yet (-inf) takes any new max, since the difference
     // is then +inf (or NaN when the tile has no visible key either).
@@ -59,6 +71,41 @@ struct OnlineSoftmax {
     // prev_scaled is -inf when the row had no visible key yet: the factor is then 0,
     // harmless since the accumulator and sum are still 0.
     return kFirstTile || keep ? 1.f : exp2f(prev_scaled - scaled_max(mi));
+  }
+
+  // Every row's running max updated with tile S (raw scores); correction(mi) gets the
+  // factor by which row mi of the output accumulator must be rescaled.
+  // kIntRowMax: the thread's parts come from the integer max of the scores' bits (utils.h
+  // row_max_bits), exact wherever a part holds a score >= +0; a warp with any other part
+  // (all its scores negative: rare for real scores) takes the float max for all its rows,
+  // and so do tiles under the mask (masked: warp-uniform), where a thread's part is often
+  // all -inf. Both give the same bits.
+  template <bool kFirstTile, class TensorS, class TensorCorrection>
+  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, TensorCorrection& correction, bool masked) {
+    float thread_max[kRows];
+    if constexpr (kIntRowMax) {
+      constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
+      bool exact = false;
+      if (!masked) {
+        exact = true;
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          int const bits = row_max_bits<kCols>(tSrS_rowcol, mi, 0);
+          exact &= bits >= 0;
+          thread_max[mi] = __int_as_float(bits);
+        }
+        exact = __all_sync(0xffffffffu, exact);
+      }
+      if (!exact) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi); }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi); }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = merge_row_max<kFirstTile>(thread_max[mi], mi); }
   }
 
   // Row mi of S turned into P = exp2(S * scale_log2 - max) in place, and its sum added.
@@ -79,13 +126,19 @@ struct OnlineSoftmax {
   // place, adds P's row sums, and returns the factor by which each row of the output
   // accumulator must be rescaled.
   template <bool kFirstTile, class TensorS>
-  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol) {
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, bool masked) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      correction(mi) = update_row_max<kFirstTile>(tSrS_rowcol, mi);
-      exponentiate_row(tSrS_rowcol, mi, correction(mi));
+    if constexpr (kIntRowMax) {
+      update_row_maxes<kFirstTile>(tSrS_rowcol, correction, masked);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        correction(mi) = merge_row_max<kFirstTile>(thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi), mi);
+        exponentiate_row(tSrS_rowcol, mi, correction(mi));
+      }
     }
     return correction;
   }

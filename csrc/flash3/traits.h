@@ -8,6 +8,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "utils.h"  // FLASH3_INT_ROW_MAX
+
 namespace flash3 {
 
 using namespace cute;
@@ -183,6 +185,14 @@ struct KernelTraits {
   // multiplications per tile (64-128 elsewhere), which the row-max test and the warp vote
   // do not pay for, and the softmax runs after the PV GEMM's wait (kNone) anyway.
   static constexpr bool kLazyRescale = kHeadDim != 64;
+  // The row max from the scores' bits with 3-input integer maxima, as a tree (softmax.h,
+  // utils.h row_max_bits): half the instructions of the FMNMX chain and a short dependency
+  // path ahead of the exponentials. H200 A/B against the FMNMX chain (sixteenth session,
+  // two calls, three passes each, bitwise-identical outputs): hdim 64 non-causal +3..+5%
+  // from 2k keys, the short causal kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal
+  // kernel (from 4k) -1.5%, hdim 128 causal -1..-3%, hdim 128 non-causal and hdim 256
+  // within +-1%: there it stays off. FLASH3_INT_ROW_MAX=0 turns it off everywhere.
+  static constexpr bool kIntRowMax = FLASH3_INT_ROW_MAX && kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.

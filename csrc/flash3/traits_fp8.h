@@ -99,6 +99,15 @@ struct KernelTraitsFp8 {
   // 2.7x the emulation's worst (7.0 against 2.6; the bound is 2x), so hdim 256 keeps the
   // exact rescale.
   static constexpr bool kLazyRescale = kHeadDim == 128 && kSoftmaxUnderPv && kBlockN == 192;
+  // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
+  // FMNMX chains (sixteenth session, two calls, three passes each, bitwise-identical
+  // outputs): hdim 64 non-causal +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k
+  // keys (both masks); hdim 64 causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at
+  // 512, hdim 256 non-causal -1% with more spills, hdim 256 causal +1..+3% but 29-32
+  // local-memory instructions, over check_sass.py's bound: there it stays off.
+  // FLASH3_INT_ROW_MAX=0 turns it off everywhere.
+  static constexpr bool kIntRowMax =
+      FLASH3_INT_ROW_MAX && ((kHeadDim == 64 && !kIsCausal_) || (kHeadDim == 128 && kBlockN == 192));
 
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
   // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the

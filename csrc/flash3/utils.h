@@ -72,6 +72,13 @@ CUTLASS_DEVICE uint32_t opaque_zero(int nonneg) {
   return zero;
 }
 
+// threadIdx.x through a volatile asm, which the compiler cannot merge with an earlier read.
+CUTLASS_DEVICE uint32_t reread_thread_idx_x() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
+
 // Issues one warpgroup GEMM: tCrC (+)= tCrA * tCrB, K-blocked. With zero_init the first
 // K block overwrites the accumulator (scale-out 0), so S needs no clear.
 template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
@@ -106,5 +113,87 @@ struct MaxOp {
 struct SumOp {
   CUTLASS_DEVICE float operator()(float a, float b) const { return a + b; }
 };
+
+// The row max on the scores' bits (kIntRowMax in traits.h / traits_fp8.h). Read as signed
+// integers, the bit patterns of non-negative floats are in float order, and every
+// negative float (-0 and -inf too) is a negative integer. So the integer max of a set of
+// floats is bitwise their float max when one of them is >= +0, and negative otherwise
+// (the callers then take the float max). Hopper's 3-input integer max (VIMNMX3,
+// __vimax3_s32) takes one instruction per two scores where FMNMX takes one per score.
+#ifndef FLASH3_INT_ROW_MAX
+#define FLASH3_INT_ROW_MAX 1
+#endif
+
+// The scores' bits are read through volatile asm: a plain bit cast of a WGMMA accumulator
+// is hoisted by the compiler to right after the WGMMA is issued, ahead of its wait, and
+// ptxas then serialises every WGMMA (C7514) to make the read safe.
+CUTLASS_DEVICE int float_bits(float a) {
+  int m;
+  asm volatile("mov.b32 %0, %1;" : "=r"(m) : "f"(a));
+  return m;
+}
+CUTLASS_DEVICE int float_bits_max3(float a, float b, float c) {
+  int m;
+  asm volatile(
+      "{\n.reg .s32 a, b, c;\nmov.b32 a, %1;\nmov.b32 b, %2;\nmov.b32 c, %3;\nmax.s32 a, a, b;\nmax.s32 %0, a, c;\n}"
+      : "=r"(m) : "f"(a), "f"(b), "f"(c));
+  return m;
+}
+
+// The max of kCount integers as a 3-ary tree (depth log3).
+template <int kCount, class Values>
+CUTLASS_DEVICE int int_max_tree(Values const& v) {
+  if constexpr (kCount == 1) {
+    return v[0];
+  } else if constexpr (kCount == 2) {
+    return max(v[0], v[1]);
+  } else {
+    constexpr int kNext = (kCount + 2) / 3;
+    int next[kNext];
+    CUTE_UNROLL
+    for (int i = 0; i < kNext; ++i) {
+      if (3 * i + 2 < kCount) {
+        next[i] = __vimax3_s32(v[3 * i], v[3 * i + 1], v[3 * i + 2]);
+      } else if (3 * i + 1 < kCount) {
+        next[i] = max(v[3 * i], v[3 * i + 1]);
+      } else {
+        next[i] = v[3 * i];
+      }
+    }
+    return int_max_tree<kNext>(next);
+  }
+}
+
+// The integer max of the bits of row mi's columns [begin, begin + kCount) of a (rows,
+// cols) float tensor: level one of the tree reads the floats (through the asm above).
+template <int kCount, class TensorRowCol>
+CUTLASS_DEVICE int row_max_bits(TensorRowCol const& t, int mi, int begin) {
+  constexpr int kFirst = (kCount + 2) / 3;
+  int first[kFirst];
+  CUTE_UNROLL
+  for (int i = 0; i < kFirst; ++i) {
+    int const c = begin + 3 * i;
+    if (3 * i + 2 < kCount) {
+      first[i] = float_bits_max3(t(mi, c), t(mi, c + 1), t(mi, c + 2));
+    } else if (3 * i + 1 < kCount) {
+      first[i] = max(float_bits(t(mi, c)), float_bits(t(mi, c + 1)));
+    } else {
+      first[i] = float_bits(t(mi, c));
+    }
+  }
+  return int_max_tree<kFirst>(first);
+}
+
+// The float max of row mi's columns [begin, begin + kCount), as a pairwise tree (depth
+// log2, where a running fmaxf is a dependent chain as long as the row).
+template <int kCount, class TensorRowCol>
+CUTLASS_DEVICE float row_max_float(TensorRowCol const& t, int mi, int begin) {
+  if constexpr (kCount == 1) {
+    return t(mi, begin);
+  } else {
+    constexpr int kHalf = kCount / 2;
+    return fmaxf(row_max_float<kHalf>(t, mi, begin), row_max_float<kCount - kHalf>(t, mi, begin + kHalf));
+  }
+}
 
 }  // namespace flash3
