@@ -42,6 +42,14 @@ flash3::BlockScales block_scales(at::Tensor const& s, char const* name, int64_t 
   return out;
 }
 
+// Same strides on every dim that has more than one index (a and b have the same shape).
+bool same_strides(at::Tensor const& a, at::Tensor const& b) {
+  for (int64_t i = 0; i < a.dim(); ++i) {
+    if (a.size(i) > 1 && a.stride(i) != b.stride(i)) { return false; }
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                            at::Tensor const& q_scale, at::Tensor const& k_scale,
                                            at::Tensor const& v_scale, double softmax_scale, bool causal) {
@@ -61,6 +69,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale = block_scales(v_scale, "v_scale", batch, nheads_k, k_blocks, q.device());
 
   c10::cuda::CUDAGuard const device_guard(q.device());
+  // The kernels index K's and V's scales with one offset (csrc/flash3/mainloop_fwd_fp8.h:
+  // registers at hdim 256), so the two tensors must share their strides. Where a caller's
+  // differ, both are copied contiguous (a float per head and key block, on the stream, and
+  // the caching allocator keeps the copies until the kernel has read them). Strides of
+  // size-1 dims are never used to address anything; V takes K's there.
+  at::Tensor k_scale_same, v_scale_same;
+  if (!same_strides(k_scale, v_scale)) {
+    k_scale_same = k_scale.contiguous();
+    v_scale_same = v_scale.contiguous();
+    TORCH_CHECK(same_strides(k_scale_same, v_scale_same), "flash3: internal error: k_scale and v_scale layouts differ");
+    params.k_scale = block_scales(k_scale_same, "k_scale", batch, nheads_k, k_blocks, q.device());
+    params.v_scale = block_scales(v_scale_same, "v_scale", batch, nheads_k, k_blocks, q.device());
+  }
+  params.v_scale.batch_stride = params.k_scale.batch_stride;
+  params.v_scale.head_stride = params.k_scale.head_stride;
+  params.v_scale.block_stride = params.k_scale.block_stride;
   at::Tensor out, lse;
   if (flash3::api::alloc_fwd_outputs(q, k, at::kBFloat16, out, lse)) { return {out, lse}; }
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);

@@ -48,13 +48,13 @@ NO_PINGPONG_FP8 = {(64, False)}
 # accepted, so that the check still fails on any new spill or a larger one. Empty: no
 # kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
 KNOWN_BWD_SPILLS = {}
-# The FP8 hdim 256 kernels (128-key tiles) need all 240 registers per consumer thread for
-# O, S and P and keep a few tile constants (scale offsets, the pingpong barrier id) in
-# local memory, about eight L1 accesses per key tile; the producer (24 registers) a few
-# per tile. The spill-free 96-key tile measured 4-21% slower (benchmarks/NOTES.md).
-KNOWN_FP8_SPILLS = {(256, False): 32, (256, True): 26}  # causal: 26 and its persistent short-sequence kernel 26 since the
-# TMA-store epilogue (fifteenth session: the extra ones before the first GEMM and at the store, outside the key loop;
-# 22 and 25 before, 17 before the sectioned tile order); non-causal 22 (30 before)
+# The causal FP8 hdim 256 kernels (128-key tiles) need all 240 registers per consumer
+# thread for O, S and P and keep a few values in local memory: the tile's coordinates
+# for the epilogue (outside the key loop) and the softmax scale times Q's scale (one L1
+# load per key tile). The non-causal one has none since the seventeenth session
+# (traits_fp8.h kPingpongIdsFromThreadIdx, kOneScaleOffset). The spill-free 96-key tile
+# measured 4-21% slower (benchmarks/NOTES.md).
+KNOWN_FP8_SPILLS = {(256, True): 13}  # causal 13, its persistent short-sequence kernel 9 (26 and 26 before)
 
 
 def kernel_config(name: str):

@@ -244,6 +244,45 @@ def test_fp8_rows_with_negative_scores(seed, d, causal, sk):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_kv_scales_with_different_strides(seed, d):
+    """The kernels index K's and V's scales with one offset; the binding copies both
+    contiguous where their strides differ (csrc/api_fp8.cpp). Scales with the same values
+    in other layouts (a transposed copy, an expanded per-head scale, the same
+    non-contiguous layout for both) give bitwise the output of contiguous ones."""
+    _skip_unless_built(d, False)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, sq, sk, h, hk = 2, 300, 700, 4, 2
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", generator=g).to(torch.bfloat16)
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    t = fp8.quantize(q, k, v)
+    ks, vs = t.k_scale.contiguous(), t.v_scale.contiguous()
+    vs[1, 0, 3] *= 4  # distinct values across batches, heads and blocks
+    ks[0, 1, 2] *= 0.25
+
+    def transposed(x):  # same values, blocks outermost in memory
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    head_scale = torch.rand(b, hk, device="cuda", generator=g) + 0.5
+    layouts = [
+        (transposed(ks), vs),
+        (ks, transposed(vs)),
+        (transposed(ks), transposed(vs)),
+        (ks, head_scale[:, :, None].expand_as(vs)),
+    ]
+    for causal in (False, True):
+        if not fp8.is_supported(d, causal):
+            continue
+        for k_scale, v_scale in layouts:
+            ref = fp8.attention_fp8(t.q, t.k, t.v, t.q_scale, k_scale.contiguous(), v_scale.contiguous(),
+                                    causal=causal)
+            out = fp8.attention_fp8(t.q, t.k, t.v, t.q_scale, k_scale, v_scale, causal=causal)
+            torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        out, lse = fp8.attention_fp8(t.q, t.k, t.v, t.q_scale, ks, transposed(vs), causal=causal, return_lse=True)
+        _check_kernel(fp8.FP8Tensors(t.q, t.k, t.v, t.q_scale, ks, vs), causal, out, lse)
+
+
+@gpu
 def test_fp8_descales_fa3_style():
     """FlashAttention-3's per-(batch, kv-head) descales give the same result as the same
     scales spelled as block scales."""

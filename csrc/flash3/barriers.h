@@ -65,9 +65,21 @@ CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
 // warpgroup's final hand-over is skipped (its first turn came from start()), which
 // balances the barriers at each tile boundary. No counters: the caller says which issue
 // is the final one (registers are tight at hdim 256).
-template <int kWarpgroups, bool kEnabled>
+//
+// kIdsFromThreadIdx (two consumer warpgroups, which are threads 128..255 and 256..383 of
+// the CTA): each turn reads %tid.x afresh and picks its barrier id by a predicate, so the
+// ids are immediates and no register holds them across the key loop. The FP8 hdim 256
+// kernels (240 registers per consumer thread for O, S and P) kept the two ids in local
+// memory otherwise, one load ahead of each turn.
+template <int kWarpgroups, bool kEnabled, bool kIdsFromThreadIdx = false>
 struct PingpongTurns {
   static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  static_assert(!kIdsFromThreadIdx || kWarpgroups == 2, "ids from %tid.x: two consumer warpgroups");
+  // Hardware ids of warpgroup 0's and 1's turns (CUTLASS's NamedBarrier adds the offset).
+  static constexpr int kHardwareId0 =
+      static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) +
+      static_cast<int>(NamedBarrier::WarpSchedulerWG0);
+  static_assert(static_cast<int>(NamedBarrier::WarpSchedulerWG1) == static_cast<int>(NamedBarrier::WarpSchedulerWG0) + 1);
   int warpgroup;
 
   // Only for a tile with at least one key tile.
@@ -77,14 +89,32 @@ struct PingpongTurns {
     }
   }
   CUTLASS_DEVICE void wait_turn() const {
-    if constexpr (kEnabled) { named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup)); }  // LOCK
+    if constexpr (kEnabled && kIdsFromThreadIdx) {
+      asm volatile(  // LOCK: warpgroup 1 (tid >= 256) waits on id 1, warpgroup 0 on id 0
+          "{\n .reg .u32 t;\n .reg .pred p;\n mov.u32 t, %%tid.x;\n setp.ge.u32 p, t, 256;\n"
+          " @p bar.sync %1, %0;\n @!p bar.sync %2, %0;\n}\n"
+          :
+          : "n"(kBarrierThreads), "n"(kHardwareId0 + 1), "n"(kHardwareId0)
+          : "memory");
+    } else if constexpr (kEnabled) {
+      named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup));  // LOCK
+    }
   }
   template <bool kFinalIssue>
   CUTLASS_DEVICE void pass_turn() const { pass_turn(kFinalIssue); }
   CUTLASS_DEVICE void pass_turn(bool final_issue) const {
     if constexpr (kEnabled) {
       if (!(final_issue && warpgroup == kWarpgroups - 1)) {
-        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+        if constexpr (kIdsFromThreadIdx) {
+          asm volatile(  // UNLOCK: warpgroup 1 passes to id 0, warpgroup 0 to id 1
+              "{\n .reg .u32 t;\n .reg .pred p;\n mov.u32 t, %%tid.x;\n setp.ge.u32 p, t, 256;\n"
+              " @p bar.arrive %2, %0;\n @!p bar.arrive %1, %0;\n}\n"
+              :
+              : "n"(kBarrierThreads), "n"(kHardwareId0 + 1), "n"(kHardwareId0)
+              : "memory");
+        } else {
+          named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+        }
       }
     }
   }

@@ -174,19 +174,31 @@ struct TransposeV {
   CUTLASS_DEVICE static void run(Addresses const& addr, uint8_t* smem_vt, int stage_v, int stage_vt) {
     uint32_t const src = addr.src + uint32_t(stage_v * kStageBytesV);
     uint32_t const dst = cast_smem_ptr_to_uint(smem_vt) + uint32_t(stage_vt * kStageBytesVt) + addr.dst;
+    if constexpr (kInFlight == 1) {
+      // Key steps outer, column groups inner: one XORed address is live at a time (the
+      // other order kept all eight, 7 of the producer's 24 registers at hdim 256, which
+      // pushed its loop state into local memory).
+      CUTE_UNROLL
+      for (int s = 0; s < kKeyGroupsPerWarp; ++s) {
+        uint32_t const step_dst = dst ^ dst_xor(s);
+        CUTE_UNROLL
+        for (int j = 0; j < kColGroupsPerWarp; ++j) {
+          uint32_t a0, a1, a2, a3;
+          ldsm_x4_trans(src + src_add(s, j), a0, a1, a2, a3);
+          stsm_x4(step_dst + dst_add(s, j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
+                  __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));
+        }
+      }
+      return;
+    }
     CUTE_UNROLL
     for (int j = 0; j < kColGroupsPerWarp; ++j) {
-      // kInFlight == 2: both loads before both stores (the asm statements are volatile, so
-      // they keep this order), with 8 data registers; kInFlight == 1: load, store.
+      // Both loads before both stores (the asm statements are volatile, so they keep this
+      // order), with 8 data registers.
       CUTE_UNROLL
-      for (int s = 0; s < kKeyGroupsPerWarp; s += kInFlight) {
+      for (int s = 0; s < kKeyGroupsPerWarp; s += 2) {
         uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
         ldsm_x4_trans(src + src_add(s, j), a0, a1, a2, a3);
-        if (kInFlight == 1) {
-          stsm_x4((dst ^ dst_xor(s)) + dst_add(s, j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
-                  __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));
-          continue;
-        }
         if (s + 1 < kKeyGroupsPerWarp) { ldsm_x4_trans(src + src_add(s + 1, j), b0, b1, b2, b3); }
         stsm_x4((dst ^ dst_xor(s)) + dst_add(s, j), __byte_perm(a0, a1, 0x6420), __byte_perm(a0, a1, 0x7531),
                 __byte_perm(a2, a3, 0x6420), __byte_perm(a2, a3, 0x7531));

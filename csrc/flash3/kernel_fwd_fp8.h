@@ -120,17 +120,18 @@ struct FlashFwdKernelFp8 {
       cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
       bool const tma_thread = warp_idx == 0 && lane_predicate;
       int const thread_idx = int(threadIdx.x);
-      // K and V stages are written in lockstep, and a V stage is read by the transposer
-      // in lockstep with the V^T stage it writes: one state each (registers: the
-      // producer runs on 24 at hdim 256).
-      PipelineState write_kv = cutlass::make_producer_start_state<PipelineK>();
+      // A V stage is read by the transposer in lockstep with the V^T stage it writes, and
+      // K and V stages are written one key tile ahead of it: one state serves all three
+      // (Mainloop::load; registers: the producer runs on 24 at hdim 256).
+      static_assert(PipelineK::Stages == PipelineVt::Stages && PipelineV::Stages == PipelineVt::Stages,
+                    "the K/V write state is derived from the transpose state");
       PipelineState transpose = cutlass::make_producer_start_state<PipelineVt>();
       int q_phase = 0;
       for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
         if (Mainloop::n_block_end(params.mainloop, tile.m_block) <= 0) { continue; }
         Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty, q_phase,
-                       pipeline_k, pipeline_v, pipeline_vt, write_kv, transpose, tile.m_block,
+                       pipeline_k, pipeline_v, pipeline_vt, transpose, tile.m_block,
                        tile.head, tile.batch, tma_thread, thread_idx);
         q_phase ^= 1;
       }

@@ -87,7 +87,7 @@ struct MainloopFwdFp8 {
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
                                   PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineVt& pipeline_vt,
-                                  PipelineState& write_kv, PipelineState& transpose, int m_block, int head,
+                                  PipelineState& transpose, int m_block, int head,
                                   int batch, bool tma_thread, int thread_idx) {
     int const n_end = n_block_end(params, m_block);
     if (n_end <= 0) { return; }
@@ -106,26 +106,33 @@ struct MainloopFwdFp8 {
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    // write_kv: the K and the V stage written next (K and V advance together). transpose:
-    // the V stage the transposer reads next and the V^T stage it writes (also together;
-    // kernel_fwd_fp8.h).
+    // transpose: the V stage the transposer reads next and the V^T stage it writes (they
+    // advance together; kernel_fwd_fp8.h). K and V stages are written one key tile ahead
+    // of it (K and V advance together): with the same stage count, the write state is the
+    // transpose state, advanced once, and at a tile's start (all stages transposed) the
+    // two are equal. One state instead of two (registers: the producer runs on 24 at
+    // hdim 256, where a second one spilled).
+    PipelineState const& write_first = transpose;
     if (tma_thread) {
-      pipeline_k.producer_acquire(write_kv);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_kv)), tKgK(_, n_end - 1), tKsK(_, write_kv.index()));
+      pipeline_k.producer_acquire(write_first);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_first)), tKgK(_, n_end - 1),
+           tKsK(_, write_first.index()));
       barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
       barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
       copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
            tQgQ, tQsQ);
-      pipeline_v.producer_acquire(write_kv);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_kv)), tVgV(_, n_end - 1), tVsV(_, write_kv.index()));
+      pipeline_v.producer_acquire(write_first);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_first)), tVgV(_, n_end - 1),
+           tVsV(_, write_first.index()));
     }
-    ++write_kv;
 
     uint8_t* smem_vt = reinterpret_cast<uint8_t*>(storage.smem_vt.data());
     CUTLASS_PRAGMA_NO_UNROLL
     for (int n_block = n_end - 1; n_block >= 0; --n_block) {
       if (n_block > 0) {
         if (tma_thread) {
+          PipelineState write_kv = transpose;
+          ++write_kv;
           pipeline_k.producer_acquire(write_kv);
           copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_kv)), tKgK(_, n_block - 1),
                tKsK(_, write_kv.index()));
@@ -133,7 +140,6 @@ struct MainloopFwdFp8 {
           copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_kv)), tVgV(_, n_block - 1),
                tVsV(_, write_kv.index()));
         }
-        ++write_kv;
       }
       __syncwarp();  // ldmatrix / stmatrix are warp-collective
       // transpose is a producer state of V^T (its phase starts at 1); as a consumer state
@@ -192,7 +198,8 @@ struct MainloopFwdFp8 {
       clear(tOrO);
       return softmax.finalize(tOrO_rowcol);
     }
-    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong> const turns{warpgroup};
+    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong, Traits::kPingpongIdsFromThreadIdx> const turns{
+        warpgroup};
     turns.start();
 
     // Scales: this warpgroup's 64 query rows share one (a warpgroup wholly past seqlen_q
@@ -204,20 +211,25 @@ struct MainloopFwdFp8 {
                               : 1.f;
     float const qk_scale_log2 = params.softmax_scale_log2 * q_scale;
     // K/V scales: the pointers and strides stay in the kernel parameters (constant memory)
-    // and only two 32-bit offsets in registers (hdim 256 needs 240 per thread for O, S
-    // and P; 64-bit pointers kept live across the loop spilled there). Scale tensors hold
-    // fewer than 2^31 elements. Groups wholly past seqlen_k (masked) read the last block.
-    // A V scale of 0 (only a caller's own scales can hold one) is taken as 2^-64, so that
-    // P / v stays finite.
+    // and only 32-bit offsets in registers (hdim 256 needs 240 per thread for O, S and P;
+    // 64-bit pointers kept live across the loop spilled there). With kOneScaleOffset
+    // (traits_fp8.h) K's offset and strides index V's scales too: the binding
+    // (api_fp8.cpp) gives both tensors the same strides. Scale tensors hold fewer than
+    // 2^31 elements. Groups wholly past seqlen_k (masked) read the last block. A V scale
+    // of 0 (only a caller's own scales can hold one) is taken as 2^-64, so that P / v
+    // stays finite.
     int const k_head_offset = int(batch * params.k_scale.batch_stride + head_kv * params.k_scale.head_stride);
-    int const v_head_offset = int(batch * params.v_scale.batch_stride + head_kv * params.v_scale.head_stride);
+    int const v_head_offset =
+        Traits::kOneScaleOffset ? k_head_offset
+                                : int(batch * params.v_scale.batch_stride + head_kv * params.v_scale.head_stride);
+    int64_t const& v_block_stride = Traits::kOneScaleOffset ? params.k_scale.block_stride : params.v_scale.block_stride;
     auto group_scales = [&](int n_block) {
       GroupScales t;
       CUTE_UNROLL
       for (int g = 0; g < kScaleGroups; ++g) {
         int const block = min((n_block * kBlockN + g * kScaleGroupKeys) / kScaleBlockK, params.k_scale.num_blocks - 1);
         t.qk_log2[g] = qk_scale_log2 * params.k_scale.ptr[k_head_offset + block * int(params.k_scale.block_stride)];
-        float const v = fmaxf(params.v_scale.ptr[v_head_offset + block * int(params.v_scale.block_stride)], 0x1p-64f);
+        float const v = fmaxf(params.v_scale.ptr[v_head_offset + block * int(v_block_stride)], 0x1p-64f);
         t.log2_v[g] = __log2f(v);
         t.inv_v[g] = __fdividef(1.f, v);
       }

@@ -31,7 +31,7 @@ struct FwdFp8Params {
   FwdParams base;
   BlockScales q_scale;  // (batch, nheads, ceil(seqlen_q / 64))
   BlockScales k_scale;  // (batch, nheads_k, ceil(seqlen_k / 128))
-  BlockScales v_scale;  // (batch, nheads_k, ceil(seqlen_k / 128))
+  BlockScales v_scale;  // (batch, nheads_k, ceil(seqlen_k / 128)), with k_scale's strides
 };
 
 // The fused quantiser (csrc/quantize_fp8.cu): x (batch, seqlen, nheads, headdim) bf16 ->

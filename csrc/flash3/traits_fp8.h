@@ -117,6 +117,18 @@ struct KernelTraitsFp8 {
   // 40 * 128 + 232 * 256 = 64512. hdim 256 with 128-key tiles needs 240 per consumer, so
   // the producer gets 24 and transposes one block at a time. Three consumer warpgroups
   // (hdim 64): 40 + 3 * 152 (O 32, S 64 and P 16 per thread).
+  // Registers at hdim 256. kPingpongIdsFromThreadIdx: the pingpong turns' barrier ids
+  // from a fresh read of %tid.x at each turn rather than from registers (barriers.h
+  // PingpongTurns). kOneScaleOffset: one offset for K's and V's scales
+  // (mainloop_fwd_fp8.h). With them, and the producer on one pipeline state and its
+  // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, fp8.h), the
+  // non-causal hdim 256 kernel holds all it needs in its registers (ptxas: no spills;
+  // 22 local-memory instructions before) and the causal ones' 26 fall to 13 and 9.
+  // Outputs bitwise identical; H200 A/B (seventeenth session): hdim 256 +0.2..+1.7%.
+  // One offset cost the hdim 64 non-causal kernel 2-3% (ptxas's schedule), so the other
+  // head dims keep two.
+  static constexpr bool kPingpongIdsFromThreadIdx = kHeadDim == 256;
+  static constexpr bool kOneScaleOffset = kHeadDim == 256;
   static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 96;
   static constexpr int kProducerRegisters = kSmallConsumer ? 40 : 24;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 152 : kSmallConsumer ? 232 : 240;
