@@ -223,15 +223,32 @@ struct MainloopFwdFp8 {
         Traits::kOneScaleOffset ? k_head_offset
                                 : int(batch * params.v_scale.batch_stride + head_kv * params.v_scale.head_stride);
     int64_t const& v_block_stride = Traits::kOneScaleOffset ? params.k_scale.block_stride : params.v_scale.block_stride;
+    auto group_scale = [&](int n_block, int g, float& qk_log2, float& log2_v, float& inv_v) {
+      int const block = min((n_block * kBlockN + g * kScaleGroupKeys) / kScaleBlockK, params.k_scale.num_blocks - 1);
+      qk_log2 = qk_scale_log2 * params.k_scale.ptr[k_head_offset + block * int(params.k_scale.block_stride)];
+      float const v = fmaxf(params.v_scale.ptr[v_head_offset + block * int(v_block_stride)], 0x1p-64f);
+      log2_v = __log2f(v);
+      inv_v = __fdividef(1.f, v);
+    };
     auto group_scales = [&](int n_block) {
       GroupScales t;
-      CUTE_UNROLL
-      for (int g = 0; g < kScaleGroups; ++g) {
-        int const block = min((n_block * kBlockN + g * kScaleGroupKeys) / kScaleBlockK, params.k_scale.num_blocks - 1);
-        t.qk_log2[g] = qk_scale_log2 * params.k_scale.ptr[k_head_offset + block * int(params.k_scale.block_stride)];
-        float const v = fmaxf(params.v_scale.ptr[v_head_offset + block * int(v_block_stride)], 0x1p-64f);
-        t.log2_v[g] = __log2f(v);
-        t.inv_v[g] = __fdividef(1.f, v);
+      if constexpr (kScaleGroups > 1 && Traits::kLaneScales) {
+        // Lane g works out group g's scales and the warp reads them from it: one LG2 and
+        // one RCP per warp and key tile instead of one per group (MUFU instructions, in
+        // the pipe the exponentials keep busy at hdim 128), and one load each of K's and
+        // V's scales. The same operations on the same values: bitwise the same scales.
+        static_assert(kScaleGroups <= 32);
+        float qk_log2, log2_v, inv_v;
+        group_scale(n_block, min(thread_idx % 32, kScaleGroups - 1), qk_log2, log2_v, inv_v);
+        CUTE_UNROLL
+        for (int g = 0; g < kScaleGroups; ++g) {
+          t.qk_log2[g] = __shfl_sync(0xffffffff, qk_log2, g);
+          t.log2_v[g] = __shfl_sync(0xffffffff, log2_v, g);
+          t.inv_v[g] = __shfl_sync(0xffffffff, inv_v, g);
+        }
+      } else {
+        CUTE_UNROLL
+        for (int g = 0; g < kScaleGroups; ++g) { group_scale(n_block, g, t.qk_log2[g], t.log2_v[g], t.inv_v[g]); }
       }
       return t;
     };

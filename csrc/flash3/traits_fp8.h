@@ -99,6 +99,14 @@ struct KernelTraitsFp8 {
   // 2.7x the emulation's worst (7.0 against 2.6; the bound is 2x), so hdim 256 keeps the
   // exact rescale.
   static constexpr bool kLazyRescale = kHeadDim == 128 && kSoftmaxUnderPv && kBlockN == 192;
+  // A key tile over several scale groups (hdim 128, 192-key tiles: three groups of 64
+  // keys) works out each group's scales on a lane of its own and shuffles them to the
+  // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
+  // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (seventeenth
+  // session, three passes each, bitwise-identical outputs): the kShortSeq kernels (the
+  // softmax after the PV GEMM) +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
+  // causal; those with the softmax under the PV GEMM -2.0..-2.6% (8k, 16k): off there.
+  static constexpr bool kLaneScales = !kSoftmaxUnderPv;
   // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
   // FMNMX chains (sixteenth session, two calls, three passes each, bitwise-identical
   // outputs): hdim 64 non-causal +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k
