@@ -132,7 +132,7 @@ struct KernelTraitsFp8 {
   // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, fp8.h), the
   // non-causal hdim 256 kernel holds all it needs in its registers (ptxas: no spills;
   // 22 local-memory instructions before) and the causal ones' 26 fall to 13 and 9.
-  // Outputs bitwise identical; H200 A/B (seventeenth session): hdim 256 +0.2..+1.7%.
+  // Outputs bitwise identical; H200 A/B (seventeenth session): hdim 256 +0.0..+1.8%.
   // One offset cost the hdim 64 non-causal kernel 2-3% (ptxas's schedule), so the other
   // head dims keep two.
   static constexpr bool kPingpongIdsFromThreadIdx = kHeadDim == 256;
