@@ -86,8 +86,10 @@ def test_forward_matches_reference(seed, dtype, d, causal, seqlens):
 # staging buffer and sQ are handed from tile to tile. The short-sequence kernels (traits.h
 # kShortSeqMaxSeqlen): (500, 500) all of them (hdim 64 / 128 / 256, both masks), (1000,
 # 1000) all but hdim 256 non-causal; (2500, 2300): the general kernels, persistent for
-# non-causal hdim 64-128.
-MANY_TILES_SEQLENS = [(500, 500), (1000, 1000), (2500, 2300)]
+# non-causal hdim 64-128. (1000, 400), causal: the first 600 rows see no key, so half of
+# each head's query tiles have no keys, which the producer skips, and a CTA's tiles with
+# keys come between them.
+MANY_TILES_SEQLENS = [(500, 500), (1000, 1000), (1000, 400), (2500, 2300)]
 
 
 @pytest.mark.parametrize("seqlens", MANY_TILES_SEQLENS, ids=[f"{a}x{b}" for a, b in MANY_TILES_SEQLENS])
@@ -101,6 +103,27 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
     q, k, v = _make_qkv(seed, b, sq, sk, h, h, d, torch.bfloat16)
     out, lse = _run(q, k, v, causal)
     _check_against_reference(q, k, v, causal, out, lse)
+
+
+# The persistent causal short-sequence kernels take their last rounds of tiles from a
+# table dealt out on the host, longest first to the least loaded CTAs (scheduler_tail.h).
+# 8 x 16 heads of 1000 rows are 1024 query tiles of 128 rows, 7.8 rounds of 132 CTAs: the
+# host deals out the last two and a bit at hdim 64 and 128 (both shapes) and 256 (1000 x
+# 1000; at 1000 x 400 its model keeps the plain snake); hdim 96 and 192 run their general
+# kernels. At 1000 x 400 the first 600 rows see no key: their tiles, which the producer
+# skips, sit in the table too.
+# The deal must not change a bit of the output (FLASH3_TAIL_DEAL=0: the plain snake).
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (1000, 400)], ids=["1000x1000", "1000x400"])
+@pytest.mark.parametrize("d", HDIMS)
+def test_tail_balanced_tile_schedule(seed, d, seqlens, monkeypatch):
+    _skip_unless_built(torch.bfloat16, d, True)
+    sq, sk = seqlens
+    q, k, v = _make_qkv(seed, 8, sq, sk, 16, 16, d, torch.bfloat16)
+    out, lse = _run(q, k, v, True)
+    _check_against_reference(q, k, v, True, out, lse)
+    monkeypatch.setenv("FLASH3_TAIL_DEAL", "0")
+    out_snake, lse_snake = _run(q, k, v, True)
+    assert torch.equal(out, out_snake) and torch.equal(lse, lse_snake), "the tile order changed the output"
 
 
 # The kernels take each row's max on the scores' bits as integers (utils.h row_max_bits),

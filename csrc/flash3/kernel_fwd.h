@@ -16,6 +16,7 @@
 #include "epilogue_fwd.h"
 #include "mainloop_fwd.h"
 #include "scheduler.h"
+#include "scheduler_tail.h"
 #include "traits.h"
 
 namespace flash3 {
@@ -32,11 +33,16 @@ struct FlashFwdKernel {
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
   // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
-  // order (see scheduler.h and traits.h).
-  using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
+  // order with its last rounds dealt out on the host (scheduler.h, scheduler_tail.h,
+  // traits.h).
+  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
+  using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
+                                       TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
+  using PipelineStateQ = typename Traits::PipelineStateQ;
+  static constexpr int kQStages = Traits::kQStages;
   using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
 
   static constexpr int kThreads = Traits::kThreads;
@@ -60,12 +66,13 @@ struct FlashFwdKernel {
     std::conditional_t<Traits::kSmemOSeparate,
                        cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024>, NoStorage>
         smem_o;
-    // Q is loaded once per tile: full when its TMA bytes have landed, empty when all
-    // consumer warpgroups have finished their last Q K^T of the tile (every consumer
-    // thread arrives), or, where O is staged in Q's buffer, when every consumer warp's
-    // TMA store of O has read its rows (one arrival per warp).
-    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full;
-    alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;
+    // Q is loaded once per tile, into buffer (tile count) % kQStages: full when its TMA
+    // bytes have landed, empty when all consumer warpgroups have finished their last
+    // Q K^T of the tile (every consumer thread arrives), or, where O is staged in Q's
+    // buffer, when every consumer warp's TMA store of O has read its rows (one arrival
+    // per warp).
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full[kQStages];
+    alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty[kQStages];
     alignas(16) typename PipelineK::SharedStorage pipeline_k;
     alignas(16) typename PipelineV::SharedStorage pipeline_v;
   };
@@ -78,10 +85,19 @@ struct FlashFwdKernel {
     typename Scheduler::Params scheduler;
   };
 
+  // Kernel parameters live in a 4 KB constant bank (the scheduler's table is most of them).
+  static_assert(sizeof(Params) <= 4096, "kernel parameters exceed 4 KB");
+
   static Params to_params(FwdParams const& p) {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    return {Mainloop::to_params(p), Epilogue::to_params(p),
-            Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.head_section)};
+    typename Scheduler::Params scheduler;
+    if constexpr (kTailBalanced) {
+      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
+                                       Traits::kBlockM, Traits::kBlockN);
+    } else {
+      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.head_section);
+    }
+    return {Mainloop::to_params(p), Epilogue::to_params(p), scheduler};
   }
 
   CUTLASS_DEVICE static Element* smem_o_of(SharedStorage& storage) {
@@ -97,10 +113,13 @@ struct FlashFwdKernel {
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
-      storage.barrier_q_full.init(/*arrive_count=*/1);
-      storage.barrier_q_empty.init(/*arrive_count=*/Traits::kReleaseQAfterEpilogue
-                                       ? Traits::kConsumerThreads / cutlass::NumThreadsPerWarp
-                                       : Traits::kConsumerThreads);
+      CUTLASS_PRAGMA_UNROLL
+      for (int q = 0; q < kQStages; ++q) {
+        storage.barrier_q_full[q].init(/*arrive_count=*/1);
+        storage.barrier_q_empty[q].init(/*arrive_count=*/Traits::kReleaseQAfterEpilogue
+                                            ? Traits::kConsumerThreads / cutlass::NumThreadsPerWarp
+                                            : Traits::kConsumerThreads);
+      }
       if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
     }
 
@@ -129,27 +148,29 @@ struct FlashFwdKernel {
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_k = cutlass::make_producer_start_state<PipelineK>();
         PipelineState write_v = cutlass::make_producer_start_state<PipelineV>();
-        int q_phase = 0;  // flips with every tile that loads Q
+        PipelineStateQ write_q;  // advances with every tile that loads Q
         for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
           if (Mainloop::n_block_end(params.mainloop, tile.m_block) <= 0) { continue; }
-          Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
-                         q_phase, pipeline_k, pipeline_v, write_k, write_v, tile.m_block, tile.head, tile.batch);
-          q_phase ^= 1;
+          Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full[write_q.index()],
+                         storage.barrier_q_empty[write_q.index()], write_q.phase(), write_q.index(), pipeline_k,
+                         pipeline_v, write_k, write_v, tile.m_block, tile.head, tile.batch);
+          ++write_q;
         }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       PipelineState read_k, read_v;
-      int q_phase = 0;
+      PipelineStateQ read_q;  // the Q buffer of the current tile
       for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
         bool const has_keys = Mainloop::n_block_end(params.mainloop, tile.m_block) > 0;
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
-        auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full, storage.barrier_q_empty,
-                                 q_phase, pipeline_k, pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
-        if (has_keys) { q_phase ^= 1; }
+        auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
+                                 storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
+                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
+        if (has_keys) { ++read_q; }
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {
             // The tile's last K and V stages (the mainloop left them locked) take the two
@@ -178,7 +199,8 @@ struct FlashFwdKernel {
             Epilogue::store(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
             if constexpr (Traits::kReleaseQAfterEpilogue) {
               Epilogue::wait_staging_read();
-              if (thread_idx % cutlass::NumThreadsPerWarp == 0) { storage.barrier_q_empty.arrive(); }  // UNLOCK sQ: O has left it
+              static_assert(kQStages == 1, "O is staged in the only Q buffer");
+              if (thread_idx % cutlass::NumThreadsPerWarp == 0) { storage.barrier_q_empty[0].arrive(); }  // UNLOCK sQ: O has left it
             }
           } else {
             // No key, no Q: the producer skipped this tile, so sQ may already hold the

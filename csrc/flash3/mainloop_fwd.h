@@ -38,8 +38,11 @@ struct MainloopFwd {
 
   using Loads = FwdLoadsTma<Traits>;  // tma.h
 
+  static constexpr int kQStages = Traits::kQStages;
+  static constexpr int kQStageElements = cute::cosize_v<SmemLayoutQ>;
+
   struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, kQStageElements * kQStages, 1024> smem_q;  // kQStages buffers
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
@@ -63,6 +66,10 @@ struct MainloopFwd {
     return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);
   }
 
+  CUTLASS_DEVICE static Element* smem_q_stage(SharedStorage& storage, int q_stage) {
+    return storage.smem_q.data() + (kQStages > 1 ? q_stage * kQStageElements : 0);
+  }
+
   // Producer: one elected thread of the producer warp. Q once, then K and V tile by
   // tile from the last key tile down (the masked tiles first, see mask.h). K and V have
   // separate pipelines so that S = Q K^T can start before V has landed. The first K goes
@@ -70,7 +77,7 @@ struct MainloopFwd {
   // done with the previous tile's Q.
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
-                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
+                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
                                   PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineState& write_k, PipelineState& write_v,
                                   int m_block, int head, int batch) {
@@ -78,7 +85,7 @@ struct MainloopFwd {
     if (n_end <= 0) { return; }
     int const head_kv = head / params.head_group;
 
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, q_stage)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
 
@@ -161,7 +168,7 @@ struct MainloopFwd {
   template <class TensorO>
   CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
-                                 cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
+                                 cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineState& read_k, PipelineState& read_v,
                                  TensorO& tOrO, int thread_idx, int m_block) {
@@ -172,7 +179,7 @@ struct MainloopFwd {
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
 
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, q_stage)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)

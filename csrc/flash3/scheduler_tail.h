@@ -1,0 +1,150 @@
+// The tile schedule of the persistent causal short-sequence forward kernels: the snake
+// of scheduler.h for all but the last rounds, and the tiles of those last rounds dealt out
+// on the host, longest first, each to the CTA with the least work so far (a greedy
+// longest-processing-time schedule), passed to the kernel as a small table.
+//
+// Why: the snake gives every CTA the same work over each pair of rounds, but a grid of
+// G CTAs over N tiles leaves a last, partial round: at the paper grid's 4096 query tiles
+// (hdim 64, 16k tokens) and 132 SMs, 4 CTAs run a 32nd tile while 128 idle, 3% of the
+// kernel, whatever the tiles' lengths. Dealt out longest first to the least loaded CTAs,
+// the last rounds' tiles even that out to within the shortest tiles (host model: +2..+3%
+// at 512-2k tokens, benchmarks/NOTES.md).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <queue>
+#include <utility>
+#include <vector>
+
+#include <cutlass/cutlass.h>
+
+#include "scheduler.h"
+
+namespace flash3 {
+
+struct TailBalancedScheduler {
+  using Snake = TileScheduler</*kPersistent=*/true, /*kLongestFirst=*/true>;
+  using Coord = Snake::Coord;
+  static constexpr int kMaxCtas = 144;  // table rows; a larger grid keeps the plain snake
+  static constexpr int kMaxTailTiles = 6;  // per CTA
+
+  struct Params : Snake::Params {
+    int tail_begin;  // tiles [0, tail_begin) follow the snake, the rest the table
+    // Per CTA, its tail tiles in order, as offsets from tail_begin; -1 after the last.
+    int16_t tail[kMaxCtas][kMaxTailTiles];
+  };
+
+  // The key tiles query tile m_block of a causal problem walks (mask.h MaskPolicy::
+  // n_block_end, on the host), plus a share for the tile's fixed costs (its first S, last
+  // O += P V and epilogue run with nothing to overlap): the host's model of a tile's time.
+  static double tile_cost(int m_block, int seqlen_q, int seqlen_k, int block_m, int block_n) {
+    int const last_key = std::min((m_block + 1) * block_m + seqlen_k - seqlen_q, seqlen_k);
+    int const n_end = std::min((seqlen_k + block_n - 1) / block_n, (std::max(last_key, 0) + block_n - 1) / block_n);
+    return n_end > 0 ? n_end + 0.5 : 0.1;
+  }
+
+  // Tile t's query tile (Snake::coord, on the host): each head's tiles longest first.
+  static int m_block_of(Snake::Params const& p, int t) { return p.num_m_blocks - 1 - t % p.num_m_blocks; }
+
+  // The table for one problem shape; the last shape's is kept, since a model runs the
+  // same shape over and over. FLASH3_TAIL_DEAL=0 keeps the plain snake (A/B runs, and the
+  // test that the order changes no bit of the output); it is read at every call.
+  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k,
+                          int block_m, int block_n) {
+    char const* env = std::getenv("FLASH3_TAIL_DEAL");
+    int const enabled = env == nullptr || std::atoi(env) != 0;
+    static thread_local std::vector<int> cached_key;
+    static thread_local Params cached;
+    std::vector<int> const key{num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, enabled};
+    if (key != cached_key) {
+      cached = deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, enabled);
+      cached_key = key;
+    }
+    return cached;
+  }
+
+  static Params deal(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k, int block_m,
+                     int block_n, bool enabled) {
+    Params p;
+    static_cast<Snake::Params&>(p) = Snake::to_params(num_m_blocks, nheads, batch);
+    p.tail_begin = p.num_tiles;
+    for (auto& row : p.tail) {
+      for (auto& x : row) { x = -1; }
+    }
+    int const ctas = int(Snake::grid(p, num_sms).x);
+    int const rounds = ctas > 0 ? p.num_tiles / ctas : 0;
+    if (!enabled || ctas > kMaxCtas || rounds < 2) { return p; }
+    std::vector<double> cost(p.num_tiles);
+    for (int t = 0; t < p.num_tiles; ++t) {
+      cost[t] = tile_cost(m_block_of(p, t), seqlen_q, seqlen_k, block_m, block_n);
+    }
+    // The snake's CTA for tile t (scheduler.h TileScheduler::next_tile).
+    auto snake_cta = [&](int t) { int const r = t / ctas, i = t % ctas; return r % 2 == 0 ? i : ctas - 1 - i; };
+    std::vector<double> snake_load(ctas, 0.0);
+    for (int t = 0; t < p.num_tiles; ++t) { snake_load[snake_cta(t)] += cost[t]; }
+    double best = *std::max_element(snake_load.begin(), snake_load.end());
+    // Leave the last k full rounds and the partial one to the greedy deal; keep the k
+    // whose modelled makespan is the shortest, or the plain snake if none beats it.
+    for (int k = 1; k <= 3 && k < rounds; ++k) {
+      int const begin = (rounds - k) * ctas;
+      std::vector<double> load(ctas, 0.0);
+      for (int t = 0; t < begin; ++t) { load[snake_cta(t)] += cost[t]; }
+      std::vector<int> order;
+      for (int t = begin; t < p.num_tiles; ++t) { order.push_back(t); }
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost[a] > cost[b]; });
+      using Slot = std::pair<double, int>;  // (load, CTA): the least loaded, then the lowest index
+      std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> free_ctas;
+      for (int c = 0; c < ctas; ++c) { free_ctas.push({load[c], c}); }
+      std::vector<std::vector<int>> lists(ctas);
+      bool fits = true;
+      for (int t : order) {
+        auto [l, c] = free_ctas.top();
+        free_ctas.pop();
+        lists[c].push_back(t - begin);
+        fits = fits && int(lists[c].size()) <= kMaxTailTiles;
+        load[c] = l + cost[t];
+        free_ctas.push({load[c], c});
+      }
+      double const makespan = *std::max_element(load.begin(), load.end());
+      if (!fits || makespan >= best) { continue; }
+      best = makespan;
+      p.tail_begin = begin;
+      for (int c = 0; c < ctas; ++c) {
+        // Longest first within a CTA too: the order the deal produced.
+        for (int j = 0; j < kMaxTailTiles; ++j) {
+          p.tail[c][j] = j < int(lists[c].size()) ? int16_t(lists[c][j]) : int16_t(-1);
+        }
+      }
+    }
+    return p;
+  }
+
+  static dim3 grid(Params const& params, int num_sms) { return Snake::grid(params, num_sms); }
+
+  // A CTA's first tile is its index: the table starts after at least one full round.
+  CUTLASS_DEVICE static int first_tile() { return Snake::first_tile(); }
+
+  CUTLASS_DEVICE static int tail_tile(Params const& params, int j) {
+    int const offset = j < kMaxTailTiles ? params.tail[blockIdx.x][j] : -1;
+    return offset >= 0 ? params.tail_begin + offset : params.num_tiles;
+  }
+
+  CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
+    if (tile < params.tail_begin) {
+      int const next = Snake::next_tile(params, tile);
+      return next < params.tail_begin ? next : tail_tile(params, 0);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kMaxTailTiles - 1; ++j) {
+      if (tail_tile(params, j) == tile) { return tail_tile(params, j + 1); }
+    }
+    return params.num_tiles;
+  }
+
+  CUTLASS_DEVICE static Coord coord(Params const& params, int tile) { return Snake::coord(params, tile); }
+};
+
+}  // namespace flash3
