@@ -33,9 +33,10 @@ struct FlashFwdKernel {
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
   // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
-  // order with its last rounds dealt out on the host (scheduler.h, scheduler_tail.h,
-  // traits.h).
-  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
+  // order, at hdim 64 and 128 with its last rounds dealt out on the host (scheduler.h,
+  // scheduler_tail.h, traits.h). The hdim 256 short causal kernel and the FP8 ones can
+  // take the same scheduler; they keep the plain snake until it has been measured there.
+  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal && Traits::kHeadDim <= 128;
   using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
                                        TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>>;
   using PipelineK = typename Traits::PipelineK;

@@ -16,7 +16,6 @@
 #include "fp8.h"
 #include "mainloop_fwd_fp8.h"
 #include "scheduler.h"
-#include "scheduler_tail.h"
 #include "traits_fp8.h"
 
 namespace flash3 {
@@ -31,11 +30,7 @@ struct FlashFwdKernelFp8 {
   using Epilogue = std::conditional_t<Traits::kTmaStoreO || Traits::kOInKVStages, EpilogueFwdTma<typename Traits::OutputTraits>,
                                       EpilogueFwd<Traits, typename Traits::ElementOut>>;
   using ElementOut = typename Traits::ElementOut;
-  // The persistent causal kernels deal their last rounds of tiles out on the host
-  // (scheduler_tail.h), as the 16-bit short causal kernels do.
-  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
-  using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
-                                       TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>>;
+  using Scheduler = TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineVt = typename Traits::PipelineVt;
@@ -76,19 +71,10 @@ struct FlashFwdKernelFp8 {
     typename Scheduler::Params scheduler;
   };
 
-  // Kernel parameters live in a 4 KB constant bank (the scheduler's table is most of them).
-  static_assert(sizeof(Params) <= 4096, "kernel parameters exceed 4 KB");
-
   static Params to_params(FwdFp8Params const& p) {
     int const num_m_blocks = (p.base.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    typename Scheduler::Params scheduler;
-    if constexpr (kTailBalanced) {
-      scheduler = Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.seqlen_q,
-                                       p.base.seqlen_k, Traits::kBlockM, Traits::kBlockN);
-    } else {
-      scheduler = Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.head_section);
-    }
-    return {Mainloop::to_params(p), Epilogue::to_params(p.base), scheduler};
+    return {Mainloop::to_params(p), Epilogue::to_params(p.base),
+            Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.head_section)};
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
