@@ -11,6 +11,10 @@ raw passes as JSON.
 
   python3 scripts/ab_fwd.py --trees base=.,new=.ab/new --cells 64:causal:512,1024 \\
       --cells 64:full:512 --passes 3 --out $OUT/ab.json
+
+A tree may carry environment settings for its processes (path:NAME=VALUE:...), so that one
+module can be timed against itself with a knob turned (--trees deal=.,snake=.:FLASH3_TAIL_DEAL=0);
+--impl flash3-fp8 times the FP8 kernel on inputs quantised once (benchmarks/bench_attention.py).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def parse_cells(specs):
     return cells
 
 
-def worker(tree: str, cells, dtype: str, warmup: int, reps: int) -> dict:
+def worker(tree: str, cells, dtype: str, warmup: int, reps: int, impl: str) -> dict:
     sys.path.insert(0, str(Path(tree).resolve()))
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import torch  # noqa: WPS433
@@ -54,15 +58,15 @@ def worker(tree: str, cells, dtype: str, warmup: int, reps: int) -> dict:
                                        seed=hdim * 100003 + seqlen * 7 + causal)
         nflops = bench.flops(batch, nheads, seqlen, hdim, causal)
         row = {"hdim": hdim, "causal": causal, "seqlen": seqlen}
-        for impl in ("flash3", "sdpa-cudnn"):
-            fn, ctx = backends.attention_fn(impl, causal)
+        for name in (impl, "sdpa-cudnn"):
+            fn, ctx = backends.attention_fn(name, causal)
             with ctx():
                 ms = bench.time_fn(lambda: fn(q, k, v), warmup, reps)
-                if impl == "flash3":
+                if name == impl:
                     out = fn(q, k, v)
                     torch.cuda.synchronize()
                     row["digest"] = hashlib.sha1(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            row[impl] = bench.tflops_per_s(nflops, ms)
+            row["flash3" if name == impl else name] = bench.tflops_per_s(nflops, ms)
         results.append(row)
         del q, k, v
         bench.free_memory()
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", action="append", required=True, help="hdim:causal|full:seqlen,seqlen,...")
     ap.add_argument("--passes", type=int, default=3, help="passes per tree")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--impl", default="flash3", choices=["flash3", "flash3-fp8"])
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None, help="raw passes as JSON")
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
     cells = parse_cells(args.cells)
 
     if args.worker is not None:
-        print(json.dumps(worker(args.worker, cells, args.dtype, args.warmup, args.reps)))
+        print(json.dumps(worker(args.worker, cells, args.dtype, args.warmup, args.reps, args.impl)))
         return 0
 
     if not args.trees:
@@ -93,10 +98,12 @@ def main(argv=None) -> int:
     for p in range(args.passes):  # base, new, new, base, base, new, ...
         order += trees if p % 2 == 0 else trees[::-1]
     passes = []
-    for name, path in order:
+    for name, spec in order:
+        path, *settings = spec.split(":")
+        env = dict(os.environ, PYTHONPATH="", **dict(x.split("=", 1) for x in settings))
         cmd = [sys.executable, __file__, "--worker", path, "--dtype", args.dtype, "--warmup", str(args.warmup),
-               "--reps", str(args.reps)] + [x for c in args.cells for x in ("--cells", c)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
+               "--reps", str(args.reps), "--impl", args.impl] + [x for c in args.cells for x in ("--cells", c)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"pass of {name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
