@@ -105,13 +105,13 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
     _check_against_reference(q, k, v, causal, out, lse)
 
 
-# The persistent causal short-sequence kernels at hdim 64 and 128 take their last rounds
-# of tiles from a table dealt out on the host, longest first to the least loaded CTAs
-# (scheduler_tail.h). 8 x 16 heads of 1000 rows are 1024 query tiles of 128 rows, 7.8
-# rounds of 132 CTAs: the host deals out the last two and a bit. The other head dims
-# (hdim 256's short kernel on the plain snake, hdim 96 and 192 on their general kernels)
-# run the same shapes. At 1000 x 400 the first 600 rows see no key: their tiles, which
-# the producer skips, sit in the table too.
+# The persistent causal short-sequence kernels take their last rounds of tiles from a
+# table dealt out on the host, longest first to the least loaded CTAs (scheduler_tail.h).
+# 8 x 16 heads of 1000 rows are 1024 query tiles of 128 rows, 7.8 rounds of 132 CTAs: the
+# host deals out the last two and a bit at hdim 64 and 128 (both shapes) and 256 (1000 x
+# 1000; at 1000 x 400 its model keeps the plain snake); hdim 96 and 192 run their general
+# kernels. At 1000 x 400 the first 600 rows see no key: their tiles, which the producer
+# skips, sit in the table too.
 # The deal must not change a bit of the output (FLASH3_TAIL_DEAL=0: the plain snake).
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (1000, 400)], ids=["1000x1000", "1000x400"])
 @pytest.mark.parametrize("d", HDIMS)
