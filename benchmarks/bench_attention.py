@@ -40,7 +40,7 @@ HIDDEN = 2048
 DEFAULT_HDIMS = [64, 128, 256]
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 ALL_BACKENDS = ["flash3", "sdpa-cudnn", "sdpa-flash", "fa3"]
-FP8_BACKENDS = ["flash3-fp8", "flash3-fp8-e2e", "fa3-fp8", "flash3", "sdpa-cudnn"]
+FP8_BACKENDS = ["flash3-fp8", "flash3-fp8-e2e", "fa3-fp8", "cudnn-fp8", "flash3", "sdpa-cudnn"]
 # Opt-in: flash3 with deterministic=True (measures what bitwise-repeatable dq costs).
 EXTRA_BACKENDS = ["flash3-det"]
 BACKEND_ALIASES = {
@@ -50,6 +50,7 @@ BACKEND_ALIASES = {
     "sdpa-cudnn": "sdpa-cudnn", "cudnn": "sdpa-cudnn",
     "fa3": "fa3", "flash_attn_interface": "fa3",
     "flash3-fp8": "flash3-fp8", "flash3-fp8-e2e": "flash3-fp8-e2e", "fa3-fp8": "fa3-fp8",
+    "cudnn-fp8": "cudnn-fp8",
 }
 # Display labels (also cover implementation names found in the anchor JSON).
 LABELS = {
@@ -66,7 +67,8 @@ LABELS = {
     "cudnn-fp8": "cuDNN fp8",
 }
 # Column / bar order in tables and plots.
-DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8"]
+DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8",
+                 "cudnn-fp8"]
 COLORS = {
     "flash3": "#d62728",
     "flash3-det": "#e377c2",
@@ -193,6 +195,8 @@ class Backends:
         self.flash3_error = None
         self.fa3 = None
         self.fa3_error = None
+        self.cudnn = None
+        self.cudnn_error = None
         try:
             import flash3  # noqa: WPS433
             self.flash3 = flash3
@@ -203,6 +207,13 @@ class Backends:
             self.fa3 = flash_attn_interface
         except Exception as e:  # noqa: BLE001
             self.fa3_error = f"{type(e).__name__}: {e}"
+        try:
+            # cuDNN's FP8 SDPA through the cudnn-frontend Python wheel (nvidia-cudnn-frontend),
+            # on the libcudnn that torch loads.
+            import cudnn  # noqa: WPS433
+            self.cudnn = cudnn
+        except Exception as e:  # noqa: BLE001
+            self.cudnn_error = f"{type(e).__name__}: {e}"
 
     def flash3_info(self) -> dict:
         info = {"available": self.flash3 is not None, "import_error": self.flash3_error}
@@ -236,6 +247,8 @@ class Backends:
             return f"import flash3 failed: {self.flash3_error}"
         if impl in ("fa3", "fa3-fp8") and self.fa3 is None:
             return f"import flash_attn_interface failed: {self.fa3_error}"
+        if impl == "cudnn-fp8" and self.cudnn is None:
+            return f"import cudnn (nvidia-cudnn-frontend) failed: {self.cudnn_error}"
         return None
 
     def flash3_supported(self, kind: str, dtype: str, hdim: int, causal: bool) -> bool | None:
@@ -285,6 +298,9 @@ class Backends:
                 return _first(fa3.flash_attn_func(*t, causal=causal))
             return fn, contextlib.nullcontext
 
+        if impl == "cudnn-fp8":
+            return cudnn_fp8_fn(self.cudnn, causal), contextlib.nullcontext
+
         if impl == "flash3-fp8-e2e":
             f3 = self.flash3
 
@@ -316,6 +332,58 @@ class Backends:
 
 def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def cudnn_fp8_fn(cudnn, causal: bool):
+    """cuDNN's FP8 SDPA forward (cudnn-frontend graph), as the anchors' cuDNN fp8 column:
+    e4m3 q, k, v cast once from the inputs (outside the timed call, per-tensor unit
+    descales, as for fa3-fp8), P quantised with scale 256 (descale 1/256), e4m3 output
+    (cuDNN's FP8 SDPA on Hopper writes FP8 O). The graph is built once per shape, in the
+    untimed first call. Returns fn(q, k, v) -> out in (b, s, h, d), e4m3."""
+    torch = _torch()
+    state = {}
+    handle = cudnn.create_handle()
+
+    def build(q, k, v):
+        b, s, h, d = q.shape
+        dims, strides = [b, h, s, d], [s * h * d, d, h * d, 1]  # (b, s, h, d) memory as (b, h, s, d)
+        e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v"))
+        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        scalars = {n: graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32) for n in names}
+        o, _stats, amax_s, amax_o = graph.sdpa_fp8(
+            q=tq, k=tk, v=tv, **scalars, is_inference=True, attn_scale=d ** -0.5, use_causal_mask=causal,
+            name="sdpa_fp8")
+        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        one = torch.ones(1, 1, 1, 1, device=q.device, dtype=torch.float32)
+        values = {"descale_q": one, "descale_k": one, "descale_v": one, "descale_s": one / 256,
+                  "scale_s": one * 256, "scale_o": one}
+        q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
+        out = torch.empty(b, s, h, d, device=q.device, dtype=torch.float8_e4m3fn)
+        # Views with the graph's dims and strides; the memory stays (b, s, h, d).
+        pack = {tq: q8.transpose(1, 2), tk: k8.transpose(1, 2), tv: v8.transpose(1, 2), o: out.transpose(1, 2),
+                **{scalars[n]: values[n] for n in names},
+                amax_s: torch.empty_like(one), amax_o: torch.empty_like(one)}
+        workspace = torch.empty(graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
+        return {"graph": graph, "pack": pack, "workspace": workspace, "out": out}
+
+    def fn(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape))
+        if state.get("key") != key:
+            state.clear()
+            state.update(build(q, k, v), key=key)
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        state["graph"].execute(state["pack"], state["workspace"], handle=handle)
+        return state["out"]
+    return fn
 
 
 def _jsonable(obj):
@@ -543,7 +611,9 @@ def markdown_table(data: dict, kind: str, anchor: dict | None) -> list[str]:
     idx = _row_index(rows)
     impls = _impls_with_data(rows, kind)
     key = f"{kind}_tflops"
-    ratio_pairs = [("flash3", b) for b in ("sdpa-cudnn", "fa3") if "flash3" in impls and b in impls]
+    ratio_pairs = [(a, b) for a, b in (("flash3", "sdpa-cudnn"), ("flash3", "fa3"),
+                                       ("flash3-fp8", "cudnn-fp8"), ("flash3-fp8", "fa3-fp8"))
+                   if a in impls and b in impls]
     anchor_impls = []
     if anchor:
         anchor_impls = [i for i in anchor["impls"]
@@ -551,8 +621,12 @@ def markdown_table(data: dict, kind: str, anchor: dict | None) -> list[str]:
     header = ["hdim", "causal", "seqlen"] + [label(i) for i in impls]
     header += [f"{label(a)}/{label(b)}" for a, b in ratio_pairs]
     header += [f"{label(i)} (anchor)" for i in anchor_impls]
-    if "flash3" in impls:
-        header += [f"flash3/{label(i)} (anchor)" for i in anchor_impls]
+    # An FP8 anchor (fa3-fp8, cudnn-fp8) is compared with flash3's FP8 kernel, the others
+    # with the 16-bit one.
+    anchor_num = {i: "flash3-fp8" if i.endswith("-fp8") and "flash3-fp8" in impls else "flash3"
+                  for i in anchor_impls}
+    anchor_impls_ratio = [i for i in anchor_impls if anchor_num[i] in impls]
+    header += [f"{label(anchor_num[i])}/{label(i)} (anchor)" for i in anchor_impls_ratio]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     ratios = {p: [] for p in ratio_pairs}
     aratios = {i: [] for i in anchor_impls}
@@ -565,11 +639,10 @@ def markdown_table(data: dict, kind: str, anchor: dict | None) -> list[str]:
             cells.append(_fmt(r, 2))
         avals = {i: anchor["index"].get((i, hdim, causal, seqlen), {}).get(key) for i in anchor_impls}
         cells += [_fmt(avals[i]) for i in anchor_impls]
-        if "flash3" in impls:
-            for i in anchor_impls:
-                r = _ratio(vals["flash3"], avals[i])
-                aratios[i].append(r)
-                cells.append(_fmt(r, 2))
+        for i in anchor_impls_ratio:
+            r = _ratio(vals[anchor_num[i]], avals[i])
+            aratios[i].append(r)
+            cells.append(_fmt(r, 2))
         lines.append("| " + " | ".join(cells) + " |")
     summary = []
     for (a, b), rs in ratios.items():
@@ -580,7 +653,9 @@ def markdown_table(data: dict, kind: str, anchor: dict | None) -> list[str]:
     for i, rs in aratios.items():
         g = _geomean(rs)
         if g is not None:
-            summary.append(f"flash3/{label(i)} (anchor) geomean {g:.2f}")
+            ahead = sum(1 for r in rs if r is not None and r >= 1.0)
+            summary.append(f"{label(anchor_num[i])}/{label(i)} (anchor) geomean {g:.2f}, "
+                           f"ahead on {ahead} of {sum(1 for r in rs if r is not None)}")
     if summary:
         lines += ["", "Summary: " + "; ".join(summary) + "."]
     return lines
