@@ -75,6 +75,10 @@ COLORS = {
     "sdpa-cudnn": "#2ca02c",
     "sdpa-flash": "#1f77b4",
     "fa3": "#ff7f0e",
+    "flash3-fp8": "#9467bd",
+    "flash3-fp8-e2e": "#c5b0d5",
+    "fa3-fp8": "#ffbb78",
+    "cudnn-fp8": "#98df8a",
 }
 BWD_FLOP_FACTOR = 2.5
 MISMATCH_WARN = 0.05  # max |out - ref| above which a progress line flags a mismatch
