@@ -308,6 +308,24 @@ def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 400)])
+def test_fp8_persistent_non_causal_many_tiles(seed, d, sq, sk):
+    """The persistent non-causal kernels (all head dims; at hdim 256 the short-sequence
+    one, traits_fp8.h kShortSeq) walk several tiles per CTA: 8 x 16 heads of 1000 rows
+    are 1024 (hdim 64: 768) query tiles over 132 CTAs, each tile's Q and O staging reused
+    across tiles. The output's memory is poisoned before the call."""
+    _skip_unless_built(d, False)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(8, s, 16, d, device="cuda", generator=g).to(torch.bfloat16) for s in (sq, sk, sk))
+    t = fp8.quantize(q, k, v)
+    poison = torch.full((8, sq, 16, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison  # the caching allocator hands the block to the output
+    out, lse = fp8.attention_fp8(*t, causal=False, return_lse=True)
+    _check_kernel(t, False, out, lse)
+
+
+@gpu
 def test_fp8_descales_fa3_style():
     """FlashAttention-3's per-(batch, kv-head) descales give the same result as the same
     scales spelled as block scales."""

@@ -34,8 +34,12 @@ using namespace cute;
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 // kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
 // the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Non-causal kernels are
-// persistent anyway (hdim <= 128); there kShortSeq only keeps the softmax after the PV
-// GEMM (kSoftmaxUnderPv), for 2k-8k keys at hdim 128. Persistent causal kernels
+// persistent anyway at hdim <= 128; there kShortSeq only keeps the softmax after the PV
+// GEMM (kSoftmaxUnderPv), for 2k-8k keys at hdim 128. At hdim 256 the non-causal kernel
+// runs one CTA per tile, and kShortSeq makes it persistent, for up to 4k keys: the next
+// tile's Q and first K/V then load under the current tile's last GEMMs and epilogue
+// (+4..+13% at 512-2k; its loop keeps 2 + 2 local-memory instructions, check_sass.py),
+// while from 8k keys the one-CTA-per-tile kernel measured 1.5-2.3% faster. Persistent causal kernels
 // measured +4..+24% below 8k keys but 13-40% slower at 8-16k, where the static stride over
 // unequal tiles loses to the hardware's dynamic assignment (H200 A/B, session 6).
 template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false>

@@ -17,10 +17,10 @@ MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 SHORT_SEQ_TILES = {64: ["nomask", "causal"], 128: ["nomask", "causal"], 256: ["nomask", "causal"]}
 FP8_HDIMS = [64, 128, 256]
 FP8_EXTRA_BLOCK_N = {128: [192]}  # hdim 128: 192-key tiles from 2k keys
-# FP8 kernels for short sequences (traits_fp8.h kShortSeq: the persistent causal ones, and
-# at hdim 128 non-causal the 2k-8k one), per head dim and mask the key tiles that get one:
-# fwd_e4m3_hdim<d>_<mask>short[n<N>].cu.
-FP8_SHORT_SEQ = {128: {"causal": [0, 192], "nomask": [192]}, 256: {"causal": [0]}}
+# FP8 kernels for short sequences (traits_fp8.h kShortSeq: the persistent causal ones, the
+# persistent hdim 256 non-causal one, and at hdim 128 non-causal the 2k-8k one), per head
+# dim and mask the key tiles that get one: fwd_e4m3_hdim<d>_<mask>short[n<N>].cu.
+FP8_SHORT_SEQ = {128: {"causal": [0, 192], "nomask": [192]}, 256: {"causal": [0], "nomask": [0]}}
 
 HERE = Path(__file__).resolve().parent
 
