@@ -18,7 +18,7 @@ struct NoMask;
 struct CausalMask;
 
 // Defined in launch_fwd_fp8.h, explicitly instantiated in csrc/instantiations/fwd_e4m3_*.cu.
-template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq>
+template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq, int kWarpgroups>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream);
 
 namespace {
@@ -30,10 +30,10 @@ constexpr bool fp8_built(int headdim) {
   return ((FLASH3_DTYPE_MASK >> 2) & 1) && ((FLASH3_HDIM_MASK >> bit) & 1);
 }
 
-template <int kHeadDim, class Mask, int kBlockN = 0, bool kShortSeq = false>
+template <int kHeadDim, class Mask, int kBlockN = 0, bool kShortSeq = false, int kWarpgroups = 0>
 constexpr FwdFp8Launcher fwd_fp8() {
   if constexpr (fp8_built(kHeadDim)) {
-    return &run_fwd_fp8<kHeadDim, Mask, kBlockN, kShortSeq>;
+    return &run_fwd_fp8<kHeadDim, Mask, kBlockN, kShortSeq, kWarpgroups>;
   } else {
     return nullptr;
   }
@@ -49,6 +49,9 @@ struct FwdFp8Entry {
   int min_seqlen_k = 0;
   int max_seqlen_k = std::numeric_limits<int>::max();
   bool alternative = false;  // only run when FLASH3_FP8_BLOCK_N asks for it (A/B runs)
+  // A kernel for short sequences (its range ends below INT_MAX): FLASH3_FP8_SHORT_MAX_SEQLEN_K
+  // moves the end of every such range, for A/B runs (0: no short kernel).
+  bool is_short() const { return max_seqlen_k != std::numeric_limits<int>::max(); }
 };
 
 // clang-format off
@@ -60,7 +63,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
   // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
   // A/B, session 6; V's scale in the exponent makes tiles across scale blocks exact).
-  {  128,  false, fwd_fp8<128, NoMask, 192>(),        192,  2048},
+  // Non-causal, the kShortSeq kernel below serves every length from 2k keys.
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
   {  256,  false, fwd_fp8<256, NoMask>(),             128},
   {  256,  true,  fwd_fp8<256, CausalMask>(),         128},
@@ -68,14 +71,24 @@ FwdFp8Entry const kFwdFp8Table[] = {
   // others, so that FLASH3_FP8_BLOCK_N still forces the general ones):
   //                                                 key tile  seqlen_k from  to
   {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
-  // Up to 4096 keys: above, the general 192-key kernel (softmax under the PV GEMM, lazy
-  // rescale) measured faster (H200, thirteenth session: 5120 +6.7%, 6144 +0.6%, 7168
-  // +1.5%, 8192 +3.9%); at 4096 it was 3% slower.
-  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  4096},
+  // Up to 8192 keys. The thirteenth session had measured the general 192-key kernel
+  // (softmax under the PV GEMM, lazy rescale) faster above 4096 (8192: +3.9%); with the
+  // scales one per lane (seventeenth session) and the dealt last rounds (nineteenth) the
+  // short one is now +8.4% at 8192 (H200 A/B, twentieth session, three passes each) and
+  // level at 4096, while at 16k it is 18% slower.
+  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8192},
   {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
-  // hdim 128 non-causal, 2k-8k keys: the softmax after the PV GEMM (traits_fp8.h
-  // kSoftmaxUnderPv; the kernel is persistent either way).
-  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  2048,  8191},
+  // hdim 64: two consumer warpgroups up to 1k keys, three up to 8k; at 16k one CTA per
+  // tile (H200 A/B, twentieth session: traits_fp8.h TileConfigFp8).
+  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true, 2>(), 128,    0,  1024},
+  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true>(),    128,    0,  8192},
+  // hdim 128 non-causal from 2k keys, at any length: the softmax after the PV GEMM
+  // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). The eleventh
+  // session had measured the softmax under the PV GEMM faster from 8k keys; with the
+  // scales one per lane (seventeenth session) this kernel is +5.3 / +3.4 / +2.4% at 8k /
+  // 16k / 32k (H200 A/B, twentieth session, three passes each), so the general 192-key
+  // non-causal kernel is no longer built.
+  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  2048},
   // hdim 256 non-causal up to 4k keys: the persistent kernel, whose next tile's Q and first
   // K/V load under the current tile (H200 A/B against one CTA per tile, nineteenth
   // session, bitwise-identical outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k;
@@ -110,8 +123,18 @@ static int forced_block_n() {
   return value;
 }
 
+// FLASH3_FP8_SHORT_MAX_SEQLEN_K (read once): unset or negative, the table's ranges.
+static int short_max_seqlen_k() {
+  static int const value = [] {
+    char const* env = std::getenv("FLASH3_FP8_SHORT_MAX_SEQLEN_K");
+    return env != nullptr ? std::atoi(env) : -1;
+  }();
+  return value;
+}
+
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
   int const forced = forced_block_n();
+  int const short_max = short_max_seqlen_k();
   FwdFp8Entry const* chosen = nullptr;
   for (auto const& entry : kFwdFp8Table) {
     if (entry.headdim != headdim || entry.causal != causal || entry.launch == nullptr) { continue; }
@@ -120,7 +143,8 @@ bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cuda
       break;
     }
     int const seqlen_k = params.base.seqlen_k;
-    if (entry.alternative || seqlen_k < entry.min_seqlen_k || seqlen_k > entry.max_seqlen_k) { continue; }
+    int const max_seqlen_k = short_max >= 0 && entry.is_short() ? short_max : entry.max_seqlen_k;
+    if (entry.alternative || seqlen_k < entry.min_seqlen_k || seqlen_k > max_seqlen_k) { continue; }
     if (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k ||
         (entry.min_seqlen_k == chosen->min_seqlen_k && entry.max_seqlen_k < chosen->max_seqlen_k)) {
       chosen = &entry;

@@ -42,13 +42,22 @@ using namespace cute;
 // while from 8k keys the one-CTA-per-tile kernel measured 1.5-2.3% faster. Persistent causal kernels
 // measured +4..+24% below 8k keys but 13-40% slower at 8-16k, where the static stride over
 // unequal tiles loses to the hardware's dynamic assignment (H200 A/B, session 6).
-template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false>
+// kWarpgroupsOverride (0: default) gives a kernel another number of consumer warpgroups:
+// the hdim 64 short causal kernel for up to 1k keys has two (below).
+template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false, int kWarpgroupsOverride = 0>
 struct TileConfigFp8 {
   // hdim 64: three consumer warpgroups (192-row tiles), as in the 16-bit hdim 64 kernel:
   // its GEMMs are the cheapest per softmax row, so a warpgroup's softmax needs two
   // others' GEMMs to hide behind. +7..+23% over two on the grid (H200 A/B, session 6),
   // except causal 512-1k (within 3%).
-  static constexpr int kConsumerWarpgroups = kHeadDim == 64 ? 3 : 2;
+  // The persistent short causal kernels at hdim 64 (kShortSeq) come with three and with
+  // two (128-row tiles): at 512 and 1k keys, 192-row tiles leave a third of the last
+  // tile empty (512 = 2 x 192 + 128) and give the persistent CTAs fewer, unequal tiles to
+  // share; H200 A/B (twentieth session, three passes each, bitwise-identical outputs),
+  // against the one-CTA-per-tile kernel: two warpgroups +42 / +33% at 512 / 1k, +8 / +1 /
+  // -7% at 2k / 4k / 8k; three +24 / +18% at 512 / 1k, +11 / +8 / +5% at 2k / 4k / 8k;
+  // at 16k keys both lose (-13% / -9%) to one CTA per tile (dispatch_fp8.cu).
+  static constexpr int kConsumerWarpgroups = kWarpgroupsOverride ? kWarpgroupsOverride : kHeadDim == 64 ? 3 : 2;
   static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : 128;
   // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run,
   // session 5): the loads are not what the tile waits for.
@@ -64,14 +73,14 @@ struct TileConfigFp8 {
   static constexpr bool kSplitChains = kHeadDim == 64 && !kIsCausal;
 };
 
-template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kShortSeq = false>
+template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kShortSeq = false, int kWarpgroupsOverride = 0>
 struct KernelTraitsFp8 {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kShortSeq>;
+  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kShortSeq, kWarpgroupsOverride>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
