@@ -82,13 +82,15 @@ FwdFp8Entry const kFwdFp8Table[] = {
   // tile (H200 A/B, twentieth session: traits_fp8.h TileConfigFp8).
   {   64,  true,  fwd_fp8< 64, CausalMask, 0, true, 2>(), 128,    0,  1024},
   {   64,  true,  fwd_fp8< 64, CausalMask, 0, true>(),    128,    0,  8192},
-  // hdim 128 non-causal from 2k keys, at any length: the softmax after the PV GEMM
+  // hdim 128 non-causal from 1152 keys, at any length: the softmax after the PV GEMM
   // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). The eleventh
   // session had measured the softmax under the PV GEMM faster from 8k keys; with the
   // scales one per lane (seventeenth session) this kernel is +5.3 / +3.4 / +2.4% at 8k /
   // 16k / 32k (H200 A/B, twentieth session, three passes each), so the general 192-key
-  // non-causal kernel is no longer built.
-  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  2048},
+  // non-causal kernel is no longer built. Against the 128-key kernel below 2k keys (same
+  // A/B): -7.6 / -4.6% at 512 / 1024, +7.1 / +1.8 / -1.3 / +7.6 / +0.8% at 1152 / 1280 /
+  // 1408 / 1536 / 1792 (most where 192 divides the length).
+  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  1152},
   // hdim 256 non-causal up to 4k keys: the persistent kernel, whose next tile's Q and first
   // K/V load under the current tile (H200 A/B against one CTA per tile, nineteenth
   // session, bitwise-identical outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k;
