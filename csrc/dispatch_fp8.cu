@@ -63,7 +63,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
   // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
   // A/B, session 6; V's scale in the exponent makes tiles across scale blocks exact).
-  // Non-causal, the kShortSeq kernel below serves every length from 2k keys.
+  // Non-causal, the kShortSeq kernel below serves every length from 1152 keys.
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
   {  256,  false, fwd_fp8<256, NoMask>(),             128},
   {  256,  true,  fwd_fp8<256, CausalMask>(),         128},

@@ -284,13 +284,14 @@ def test_fp8_kv_scales_with_different_strides(seed, d):
 
 @gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 400)])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 400), (1500, 1500)])
 def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk, monkeypatch):
     """The persistent causal kernels (every head dim) deal their last rounds of tiles out
     on the host (csrc/flash3/scheduler_tail.h): 8 x 16 heads of 1000 rows are 1024 query
-    tiles (hdim 64, 192-row tiles: 768), 5.8-7.8 rounds of 132 CTAs. Right, and bitwise
-    the plain snake's output (FLASH3_TAIL_DEAL=0); the output's memory is poisoned before
-    each call."""
+    tiles of 128 rows, 7.8 rounds of 132 CTAs. At 1500 keys hdim 64 runs its kernel with
+    three consumer warpgroups (192-row tiles: 1024 tiles; up to 1k keys it has two).
+    Right, and bitwise the plain snake's output (FLASH3_TAIL_DEAL=0); the output's memory
+    is poisoned before each call."""
     _skip_unless_built(d, True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(8, s, 16, d, device="cuda", generator=g).to(torch.bfloat16) for s in (sq, sk, sk))

@@ -35,7 +35,7 @@ using namespace cute;
 // kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
 // the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Non-causal kernels are
 // persistent anyway at hdim <= 128; there kShortSeq only keeps the softmax after the PV
-// GEMM (kSoftmaxUnderPv), from 2k keys at hdim 128. At hdim 256 the non-causal kernel
+// GEMM (kSoftmaxUnderPv), from 1152 keys at hdim 128. At hdim 256 the non-causal kernel
 // runs one CTA per tile, and kShortSeq makes it persistent, for up to 4k keys: the next
 // tile's Q and first K/V then load under the current tile's last GEMMs and epilogue
 // (+4..+13% at 512-2k; its loop keeps 2 + 2 local-memory instructions, check_sass.py),
@@ -97,8 +97,8 @@ struct KernelTraitsFp8 {
   // A/B against the softmax after that GEMM (eleventh session): hdim 128 +3..+6% at
   // 8k-16k keys (the 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k;
   // hdim 64 causal +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal.
-  // So: hdim 64 causal, and the hdim 128 kernels without kShortSeq (non-causal below 2k,
-  // causal above 8k; the kShortSeq ones, causal up to 8k and non-causal from 2k keys,
+  // So: hdim 64 causal, and the hdim 128 kernels without kShortSeq (non-causal below 1152
+  // keys, causal above 8k; the kShortSeq ones, causal up to 8k and non-causal from 1152,
   // keep the old order: with kLaneScales, below, they measured faster at 8k-32k too,
   // twentieth session, dispatch_fp8.cu).
   static constexpr bool kSoftmaxUnderPv = (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_);

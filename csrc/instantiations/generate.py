@@ -16,10 +16,10 @@ MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_<mask>short.cu.
 SHORT_SEQ_TILES = {64: ["nomask", "causal"], 128: ["nomask", "causal"], 256: ["nomask", "causal"]}
 FP8_HDIMS = [64, 128, 256]
-# hdim 128: 192-key tiles from 2k keys (the non-causal one is a kShortSeq kernel, below).
+# hdim 128 causal: 192-key tiles from 2k keys (non-causal: a kShortSeq kernel, below).
 FP8_EXTRA_BLOCK_N = {128: {"causal": [192]}}
 # FP8 kernels for short sequences (traits_fp8.h kShortSeq: the persistent causal ones, the
-# persistent hdim 256 non-causal one, and at hdim 128 non-causal the 2k-8k one), per head
+# persistent hdim 256 non-causal one, and at hdim 128 non-causal the one from 1152 keys), per head
 # dim and mask the (key tile, consumer warpgroups) pairs that get one, 0 for the default:
 # fwd_e4m3_hdim<d>_<mask>short[n<N>][w<W>].cu.
 FP8_SHORT_SEQ = {
