@@ -38,17 +38,36 @@ void check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, do
   flash3::api::check_qkv_shapes(q, k, v, softmax_scale);
 }
 
-// deterministic is the backward's (see bwd); the forward is deterministic either way.
-std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                       double softmax_scale, bool causal, bool /*deterministic*/) {
-  check_qkv(q, k, v, softmax_scale);
+}  // namespace
+
+namespace flash3::api {
+
+// Where the sequences of a packed batch are (seqlen.h); the tensors are (total, nheads,
+// headdim) viewed as (1, total, nheads, headdim).
+struct Varlen {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;
+  std::optional<at::Tensor> seqused_q, seqused_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
+void set_varlen(FwdParams& params, Varlen const& varlen) {
+  params.cu_seqlens_q = varlen.cu_seqlens_q.data_ptr<int>();
+  params.cu_seqlens_k = varlen.cu_seqlens_k.data_ptr<int>();
+  params.seqused_q = varlen.seqused_q.has_value() ? varlen.seqused_q->data_ptr<int>() : nullptr;
+  params.seqused_k = varlen.seqused_k.has_value() ? varlen.seqused_k->data_ptr<int>() : nullptr;
+  params.total_q = params.seqlen_q;  // fill_fwd_params saw one batch entry of all rows
+  params.total_k = params.seqlen_k;
+  params.batch = static_cast<int>(varlen.cu_seqlens_q.size(0) - 1);
+  params.seqlen_q = static_cast<int>(varlen.max_seqlen_q);
+  params.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
+}
+
+// The forward pass into out (like q) and lse ((batch, nheads, seqlen_q) float32), on
+// (batch, seqlen, nheads, headdim) tensors (packed batches: one batch entry of all rows).
+void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+                 at::Tensor const& lse, double softmax_scale, bool causal, Varlen const* varlen) {
   flash3::DType const dtype = to_dtype(q.scalar_type());
   int64_t const headdim = q.size(3);
-
-  c10::cuda::CUDAGuard const device_guard(q.device());
-  at::Tensor out, lse;
-  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
-
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = flash3::api::tma_ready(q);
   at::Tensor const k_tma = flash3::api::tma_ready(k);
@@ -56,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
 
   flash3::FwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
+  if (varlen != nullptr) { set_varlen(params, *varlen); }
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
@@ -64,38 +84,28 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
               ", headdim ", headdim, ", causal ", causal, " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: forward kernel launch failed: ",
               cudaGetErrorString(launch_status));
-  return {out, lse};
 }
 
-// Gradients of out = attention(q, k, v) given dout (and optionally dlse, the gradient of
-// the returned lse). deterministic: dQ's per-key-tile partial sums are added in a fixed
-// order (key tiles take turns per query tile) instead of as they finish.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
-                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
-                                                   std::optional<at::Tensor> const& dlse, double softmax_scale,
-                                                   bool causal, bool deterministic) {
-  check_qkv(q, k, v, softmax_scale);
+// The backward pass on (batch, seqlen, nheads, headdim) tensors (packed batches: one
+// batch entry of all rows, with `varlen` saying where each sequence is) and lse
+// (batch, nheads, seqlen_q). Returns dq, dk, dv shaped like q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
+    bool deterministic, Varlen const* varlen) {
   flash3::DType const dtype = to_dtype(q.scalar_type());
-  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
-  int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "flash3: dout and out must have the dtype of q");
-  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
-              "flash3: dout, out and lse must be on the device of q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
-                  lse.size(2) == seqlen_q,
-              "flash3: lse must be float32 (batch, nheads, seqlen_q)");
-  if (dlse.has_value()) {
-    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->scalar_type() == at::kFloat && dlse->device() == q.device(),
-                "flash3: dlse must be like lse");
-  }
+  int64_t const rows_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const rows_k = k.size(1), nheads_k = k.size(2);
+  int64_t const batch = varlen != nullptr ? varlen->cu_seqlens_q.size(0) - 1 : q.size(0);
+  int64_t const seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : rows_q;
+  int64_t const seqlen_k = varlen != nullptr ? varlen->max_seqlen_k : rows_k;
 
-  c10::cuda::CUDAGuard const device_guard(q.device());
-  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);
-  auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);
-  if (batch == 0 || nheads == 0 || seqlen_q == 0 || seqlen_k == 0) {
+  // Rows that belong to no sequence (past seqused) get a zero gradient.
+  bool const partial = varlen != nullptr && (varlen->seqused_q.has_value() || varlen->seqused_k.has_value());
+  auto dq = partial ? at::zeros_like(q, at::MemoryFormat::Contiguous) : at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dk = partial ? at::zeros_like(k, at::MemoryFormat::Contiguous) : at::empty_like(k, at::MemoryFormat::Contiguous);
+  auto dv = partial ? at::zeros_like(v, at::MemoryFormat::Contiguous) : at::empty_like(v, at::MemoryFormat::Contiguous);
+  if (batch == 0 || nheads == 0 || seqlen_q == 0 || seqlen_k == 0 || rows_q == 0 || rows_k == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
@@ -112,23 +122,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   at::Tensor dlse_c;
   if (dlse.has_value()) { dlse_c = dlse->contiguous(); }
 
+  // The row statistics and the dQ workspace, in whole query tiles per sequence (seqlen.h).
   auto const f32 = q.options().dtype(at::kFloat);
-  int64_t const seqlen_q_padded = (seqlen_q + 127) / 128 * 128;
-  auto lse_log2 = at::empty({batch, nheads, seqlen_q_padded}, f32);
-  auto dpsum = at::empty({batch, nheads, seqlen_q_padded}, f32);
+  int64_t const pad = flash3::kVarlenRowPad;
+  int64_t const seqlen_q_padded =
+      varlen != nullptr ? (rows_q + batch * pad + pad - 1) / pad * pad : (seqlen_q + pad - 1) / pad * pad;
+  int64_t const ws_batch = varlen != nullptr ? 1 : batch;
+  auto lse_log2 = at::empty({ws_batch, nheads, seqlen_q_padded}, f32);
+  auto dpsum = at::empty({ws_batch, nheads, seqlen_q_padded}, f32);
   int64_t const block_m = flash3::bwd_block_m(static_cast<int>(headdim));
-  int64_t const m_blocks = (seqlen_q + block_m - 1) / block_m;
-  auto dq_accum = at::zeros({batch, nheads, m_blocks, block_m * headdim}, f32);
+  int64_t const m_blocks = varlen != nullptr ? seqlen_q_padded / block_m : (seqlen_q + block_m - 1) / block_m;
+  auto dq_accum = at::zeros({ws_batch, nheads, m_blocks, block_m * headdim}, f32);
   at::Tensor dq_semaphore;
-  if (deterministic) { dq_semaphore = at::zeros({batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
+  if (deterministic) { dq_semaphore = at::zeros({ws_batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
   // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed
   // below (a fixed order, so deterministic too).
   bool const gqa = nheads != nheads_k;
-  at::Tensor dk_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dk;
-  at::Tensor dv_heads = gqa ? at::empty({batch, seqlen_k, nheads, headdim}, f32) : dv;
+  auto const f32_heads = [&] {
+    return partial ? at::zeros({k.size(0), rows_k, nheads, headdim}, f32) : at::empty({k.size(0), rows_k, nheads, headdim}, f32);
+  };
+  at::Tensor dk_heads = gqa ? f32_heads() : dk;
+  at::Tensor dv_heads = gqa ? f32_heads() : dv;
 
   flash3::BwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
+  if (varlen != nullptr) { set_varlen(params, *varlen); }
   using flash3::api::set_tensor;
   set_tensor(params.do_ptr, params.do_batch_stride, params.do_row_stride, params.do_head_stride, do_tma);
   set_tensor(params.dq_ptr, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, dq);
@@ -141,6 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   params.dq_accum_ptr = dq_accum.data_ptr<float>();
   params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   params.seqlen_q_padded = static_cast<int>(seqlen_q_padded);
+  params.dq_m_blocks = static_cast<int>(m_blocks);
   params.deterministic = deterministic;
 
   cudaError_t launch_status = cudaSuccess;
@@ -152,10 +171,132 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
               cudaGetErrorString(launch_status));
   if (gqa) {
     int64_t const group = nheads / nheads_k;
-    dk.copy_(dk_heads.view({batch, seqlen_k, nheads_k, group, headdim}).sum(3));
-    dv.copy_(dv_heads.view({batch, seqlen_k, nheads_k, group, headdim}).sum(3));
+    dk.copy_(dk_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
+    dv.copy_(dv_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
   }
   return {dq, dk, dv};
+}
+
+}  // namespace flash3::api
+
+namespace {
+
+// deterministic is the backward's (see bwd); the forward is deterministic either way.
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                       double softmax_scale, bool causal, bool /*deterministic*/) {
+  check_qkv(q, k, v, softmax_scale);
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  at::Tensor out, lse;
+  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
+  flash3::api::run_forward(q, k, v, out, lse, softmax_scale, causal, nullptr);
+  return {out, lse};
+}
+
+// Gradients of out = attention(q, k, v) given dout (and optionally dlse, the gradient of
+// the returned lse). deterministic: dQ's per-key-tile partial sums are added in a fixed
+// order (key tiles take turns per query tile) instead of as they finish.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
+                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+                                                   std::optional<at::Tensor> const& dlse, double softmax_scale,
+                                                   bool causal, bool deterministic) {
+  check_qkv(q, k, v, softmax_scale);
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "flash3: dout and out must have the dtype of q");
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+              "flash3: dout, out and lse must be on the device of q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
+                  lse.size(2) == seqlen_q,
+              "flash3: lse must be float32 (batch, nheads, seqlen_q)");
+  if (dlse.has_value()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->scalar_type() == at::kFloat && dlse->device() == q.device(),
+                "flash3: dlse must be like lse");
+  }
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  return flash3::api::run_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, nullptr);
+}
+
+// Variable-length batches: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
+// headdim), cu_seqlens int32 (batch + 1), seqused int32 (batch) or None; out like q, lse
+// float32 (nheads, total_q). The lengths stay on the device (seqlen.h).
+void check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& cu_seqlens_q,
+                  at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+                  std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "flash3: q, k, v of a packed batch must be 3-D (total, nheads, headdim)");
+  auto check_index = [&](at::Tensor const& t, char const* name, int64_t size) {
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == size && t.is_contiguous() &&
+                    t.device() == q.device(),
+                "flash3: ", name, " must be a contiguous int32 tensor of ", size, " elements on the device of q");
+  };
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1, "flash3: cu_seqlens_q must be (batch + 1,)");
+  int64_t const batch = cu_seqlens_q.size(0) - 1;
+  check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1);
+  check_index(cu_seqlens_k, "cu_seqlens_k", batch + 1);
+  if (seqused_q.has_value()) { check_index(*seqused_q, "seqused_q", batch); }
+  if (seqused_k.has_value()) { check_index(*seqused_k, "seqused_k", batch); }
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q < (int64_t(1) << 31) && max_seqlen_k >= 0 &&
+                  max_seqlen_k < (int64_t(1) << 31),
+              "flash3: max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
+  TORCH_CHECK(q.size(0) < (int64_t(1) << 31) && k.size(0) < (int64_t(1) << 31), "flash3: total rows must be < 2^31");
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                              at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                                              std::optional<at::Tensor> const& seqused_q,
+                                              std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+                                              int64_t max_seqlen_k, double softmax_scale, bool causal,
+                                              bool /*deterministic*/) {
+  check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  at::Tensor const q4 = q.unsqueeze(0);
+  at::Tensor k4 = k.unsqueeze(0);
+  at::Tensor v4 = v.unsqueeze(0);
+  check_qkv(q4, k4, v4, softmax_scale);
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  int64_t const total_q = q.size(0), nheads = q.size(1), headdim = q.size(2);
+  at::Tensor out = at::empty({total_q, nheads, headdim}, q.options());
+  at::Tensor lse = at::empty({nheads, total_q}, q.options().dtype(at::kFloat));
+  if (cu_seqlens_q.size(0) == 1 || total_q == 0 || nheads == 0 || max_seqlen_q == 0) { return {out, lse}; }
+  if (k.size(0) == 0) {
+    // No key anywhere: every sequence's rows get 0 and lse -inf from the kernel, which
+    // needs a row to describe K and V by.
+    k4 = at::zeros({1, 1, k.size(1), headdim}, k.options());
+    v4 = k4;
+  }
+  flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
+  flash3::api::run_forward(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, causal, &varlen);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor const& cu_seqlens_q,
+    at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+    std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+    bool causal, bool deterministic) {
+  check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale);
+  int64_t const total_q = q.size(0), nheads = q.size(1);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "flash3: dout and out must have the dtype of q");
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+              "flash3: dout, out and lse must be on the device of q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == nheads && lse.size(1) == total_q,
+              "flash3: lse must be float32 (nheads, total_q)");
+  std::optional<at::Tensor> dlse3;
+  if (dlse.has_value()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->scalar_type() == at::kFloat && dlse->device() == q.device(),
+                "flash3: dlse must be like lse");
+    dlse3 = dlse->unsqueeze(0);
+  }
+  c10::cuda::CUDAGuard const device_guard(q.device());
+  flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
+  auto [dq, dk, dv] = flash3::api::run_backward(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                                out.unsqueeze(0), lse.unsqueeze(0), dlse3, softmax_scale, causal,
+                                                deterministic, &varlen);
+  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 
 pybind11::dict build_info() {
@@ -186,11 +327,21 @@ TORCH_LIBRARY(flash3, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
       "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
+      "Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
+      "bool deterministic=False) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
+  m.impl("fwd_varlen", &fwd_varlen);
+  m.impl("bwd_varlen", &bwd_varlen);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -12,6 +12,7 @@
 
 #include "barriers.h"
 #include "params.h"
+#include "seqlen.h"
 #include "tma.h"
 #include "utils.h"
 
@@ -43,20 +44,20 @@ struct EpilogueBwd {
     void* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int seqlen_k;
     float softmax_scale;
     bool fp32_out;
+    bool is_varlen;
   };
 
   static Params to_params(BwdParams const& p) {
     int const nheads_dkv = p.dkv_is_fp32 ? p.nheads : p.nheads_k;
-    ShapeRowsHead shape_dkv = rows_head_shape(p.seqlen_k, p.headdim, nheads_dkv, p.batch);
+    ShapeRowsHead shape_dkv = rows_head_shape(p.rows_k(), p.headdim, nheads_dkv, p.tensor_batch());
     return {make_tma_dkv(static_cast<Element*>(p.dk_ptr), shape_dkv,
                          rows_head_stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride)),
             make_tma_dkv(static_cast<Element*>(p.dv_ptr), shape_dkv,
                          rows_head_stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)),
             shape_dkv, p.dk_ptr, p.dv_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-            p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.seqlen_k, p.softmax_scale, p.dkv_is_fp32};
+            p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.softmax_scale, p.dkv_is_fp32, p.is_varlen()};
   }
 
   template <class Out, class TensorAcc, class TensorC>
@@ -83,20 +84,21 @@ struct EpilogueBwd {
   // reading once they pass the first barrier below.
   template <class TensordKV>
   CUTLASS_DEVICE static void store(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV, Element* smem_k,
-                                   Element* smem_v, int thread_idx, int n_block, int head, int batch) {
+                                   Element* smem_v, int thread_idx, int n_block, int head, Seq const& seq) {
     if constexpr (!Traits::kTmaStoredKV) {
-      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
-    } else if (params.fp32_out) {
-      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
+    } else if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
+      // (In a packed batch the rows past the sequence's last key are the next sequence's.)
+      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
     } else {
-      store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, batch);
+      store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, seq);
     }
   }
 
   template <class TensordKV>
   CUTLASS_DEVICE static void store_tma(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
                                        Element* smem_k, Element* smem_v, int thread_idx, int n_block, int head,
-                                       int batch) {
+                                       Seq const& seq) {
     constexpr int kConsumerThreads = Traits::kConsumerThreads;
     // The last dQ GEMM of either warpgroup reads all of K: K and V are dead only when both
     // are done.
@@ -119,8 +121,9 @@ struct EpilogueBwd {
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // the whole tiles are staged
     if (thread_idx == 0) {
-      Tensor mdK = params.tma_dk.get_tma_tensor(params.shape_dkv)(_, _, head, batch);  // (seqlen_k, d)
-      Tensor mdV = params.tma_dv.get_tma_tensor(params.shape_dkv)(_, _, head, batch);  // (seqlen_k, d)
+      auto const rows = make_coord(seq.offset_k, _0{});
+      Tensor mdK = domain_offset(rows, params.tma_dk.get_tma_tensor(params.shape_dkv)(_, _, head, seq.batch));  // (seqlen_k, d)
+      Tensor mdV = domain_offset(rows, params.tma_dv.get_tma_tensor(params.shape_dkv)(_, _, head, seq.batch));  // (seqlen_k, d)
       Tensor gdK = local_tile(mdK, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
       Tensor gdV = local_tile(mdV, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
       auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK),
@@ -136,7 +139,7 @@ struct EpilogueBwd {
 
   template <class TensordKV>
   CUTLASS_DEVICE static void store_direct(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
-                                          int thread_idx, int n_block, int head, int batch) {
+                                          int thread_idx, int n_block, int head, Seq const& seq) {
     typename Traits::TiledMmadKV tiled_mma_dkv;
     auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
     Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -145,18 +148,20 @@ struct EpilogueBwd {
     Tensor dK_rowcol = make_tensor(tdKrdK.data(), accumulator_rowcol(tdKrdK.layout()));
     Tensor dV_rowcol = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
     int const row0 = n_block * kBlockN;
-    int64_t const dk_offset = batch * params.dk_batch_stride + head * params.dk_head_stride;
-    int64_t const dv_offset = batch * params.dv_batch_stride + head * params.dv_head_stride;
+    int64_t const dk_offset =
+        seq.batch * params.dk_batch_stride + head * params.dk_head_stride + int64_t(seq.offset_k) * params.dk_row_stride;
+    int64_t const dv_offset =
+        seq.batch * params.dv_batch_stride + head * params.dv_head_stride + int64_t(seq.offset_k) * params.dv_row_stride;
     if (params.fp32_out) {
       store_one(dK_rowcol, coord_rowcol, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                params.seqlen_k, params.softmax_scale);
+                seq.seqlen_k, params.softmax_scale);
       store_one(dV_rowcol, coord_rowcol, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                params.seqlen_k, 1.f);
+                seq.seqlen_k, 1.f);
     } else {
       store_one(dK_rowcol, coord_rowcol, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                params.seqlen_k, params.softmax_scale);
+                seq.seqlen_k, params.softmax_scale);
       store_one(dV_rowcol, coord_rowcol, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                params.seqlen_k, 1.f);
+                seq.seqlen_k, 1.f);
     }
   }
 };

@@ -15,6 +15,7 @@
 #include <cutlass/cutlass.h>
 
 #include "params.h"
+#include "seqlen.h"
 #include "tma.h"
 #include "utils.h"
 
@@ -33,18 +34,26 @@ struct EpilogueFwd {
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     float* lse_ptr;
-    int seqlen_q;
-    int nheads;
+    int64_t lse_batch_stride, lse_head_stride;
   };
 
   static Params to_params(FwdParams const& p) {
     return {static_cast<Element*>(p.o_ptr), p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-            p.lse_ptr, p.seqlen_q, p.nheads};
+            p.lse_ptr, p.lse_batch_stride, p.lse_head_stride};
+  }
+
+  // Row 0 of the sequence's O for this head, and of its lse.
+  CUTLASS_DEVICE static Element* o_rows(Params const& params, int head, Seq const& seq) {
+    return params.o_ptr + seq.batch * params.o_batch_stride + head * params.o_head_stride +
+           int64_t(seq.offset_q) * params.o_row_stride;
+  }
+  CUTLASS_DEVICE static float* lse_rows(Params const& params, int head, Seq const& seq) {
+    return params.lse_ptr + seq.batch * params.lse_batch_stride + head * params.lse_head_stride + seq.offset_q;
   }
 
   template <class TensorO, class TensorLse>
   CUTLASS_DEVICE static void store(Params const& params, TensorO const& tOrO, TensorLse const& lse,
-                                   int thread_idx, int m_block, int head, int batch) {
+                                   int thread_idx, int m_block, int head, Seq const& seq) {
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -55,14 +64,14 @@ struct EpilogueFwd {
     convert_into(tOrO, rO);
     Tensor rO_rowcol = make_tensor(rO.data(), accumulator_rowcol(rO.layout()));
 
-    Element* o_tile = params.o_ptr + batch * params.o_batch_stride + head * params.o_head_stride;
-    float* lse_rows = params.lse_ptr + (int64_t(batch) * params.nheads + head) * params.seqlen_q;
+    Element* o_tile = o_rows(params, head, seq);
+    float* lse_tile = lse_rows(params, head, seq);
     int const row0 = m_block * kBlockM;
 
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(rO_rowcol); ++mi) {
       int const row = row0 + get<0>(tOcO_rowcol(mi, 0));
-      if (row >= params.seqlen_q) { continue; }
+      if (row >= seq.seqlen_q) { continue; }
       Element* o_row = o_tile + row * params.o_row_stride;
       // Columns come in adjacent pairs: (2, N/8, MMA_N) with the pair innermost.
       CUTE_UNROLL
@@ -74,25 +83,25 @@ struct EpilogueFwd {
         *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
       }
       // The four threads of a quad hold the same row; the first one writes its lse.
-      if (thread_idx % 4 == 0) { lse_rows[row] = lse(mi); }
+      if (thread_idx % 4 == 0) { lse_tile[row] = lse(mi); }
     }
   }
 
   template <class TensorLse>
   CUTLASS_DEVICE static void store_lse(Params const& params, TensorLse const& lse, int thread_idx, int m_block,
-                                       int head, int batch) {
+                                       int head, Seq const& seq) {
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
     Tensor tOcO = thr_mma_pv.partition_C(cO);
     Tensor tOcO_rowcol = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
-    float* lse_rows = params.lse_ptr + (int64_t(batch) * params.nheads + head) * params.seqlen_q;
+    float* lse_tile = lse_rows(params, head, seq);
     int const row0 = m_block * kBlockM;
     if (thread_idx % 4 != 0) { return; }  // the four threads of a quad hold the same rows
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(tOcO_rowcol); ++mi) {
       int const row = row0 + get<0>(tOcO_rowcol(mi, 0));
-      if (row < params.seqlen_q) { lse_rows[row] = lse(mi); }
+      if (row < seq.seqlen_q) { lse_tile[row] = lse(mi); }
     }
   }
 };
@@ -104,7 +113,10 @@ struct EpilogueFwd {
 // store_warpgroup instead takes one 64-row buffer per warpgroup (the kernel passes a
 // K or V stage, after a barrier across the warpgroups: Traits::kOInKVStages).
 // A TMA box is 16 rows by one swizzle atom of columns (64 at 16-bit and 128-byte
-// swizzle), contiguous in shared memory; TMA skips rows past seqlen_q.
+// swizzle), contiguous in shared memory; TMA skips rows past seqlen_q. In a packed
+// (variable-length) batch the rows past a sequence's end belong to the next one: a warp
+// whose 16 rows reach past its sequence's end stores the rows it owns with plain 16-byte
+// stores from the staging buffer instead.
 template <class Traits>
 struct EpilogueFwdTma {
   using Element = typename Traits::Element;
@@ -128,14 +140,15 @@ struct EpilogueFwdTma {
     typename Direct::Params direct;
     TmaO tma_o;
     ShapeRowsHead shape_o;  // tma.h
+    bool is_varlen;
   };
 
   static Params to_params(FwdParams const& p) {
-    ShapeRowsHead shape_o = rows_head_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    ShapeRowsHead shape_o = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
     return {Direct::to_params(p),
             make_tma_o(static_cast<Element*>(p.o_ptr), shape_o,
                        rows_head_stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)),
-            shape_o};
+            shape_o, p.is_varlen()};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {
@@ -152,10 +165,10 @@ struct EpilogueFwdTma {
 
   template <class TensorO, class TensorLse>
   CUTLASS_DEVICE static void store(Params const& params, Element* smem_o, TensorO const& tOrO, TensorLse const& lse,
-                                   int thread_idx, int m_block, int head, int batch) {
+                                   int thread_idx, int m_block, int head, Seq const& seq) {
     stage_and_store<SmemLayoutO, typename Traits::TiledMmaPV>(params, smem_o, tOrO, thread_idx, thread_idx, m_block,
-                                                               head, batch);
-    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
+                                                               head, seq);
+    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, seq);
   }
 
   // The same with each consumer warpgroup's 64 rows staged in a buffer of its own
@@ -163,10 +176,11 @@ struct EpilogueFwdTma {
   using SmemLayoutOWarpgroup = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, Int<kHeadDim>>{}));
   template <class TensorO, class TensorLse>
   CUTLASS_DEVICE static void store_warpgroup(Params const& params, Element* smem_o_warpgroup, TensorO const& tOrO,
-                                             TensorLse const& lse, int thread_idx, int m_block, int head, int batch) {
+                                             TensorLse const& lse, int thread_idx, int m_block, int head,
+                                             Seq const& seq) {
     stage_and_store<SmemLayoutOWarpgroup, typename Traits::TiledMmaPVWarpgroup>(
-        params, smem_o_warpgroup, tOrO, thread_idx % cutlass::NumThreadsPerWarpGroup, thread_idx, m_block, head, batch);
-    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, batch);
+        params, smem_o_warpgroup, tOrO, thread_idx % cutlass::NumThreadsPerWarpGroup, thread_idx, m_block, head, seq);
+    Direct::store_lse(params.direct, lse, thread_idx, m_block, head, seq);
   }
 
  private:
@@ -175,7 +189,8 @@ struct EpilogueFwdTma {
   // (w = thread_idx / 32) are the buffer's rows from 16 (mma_thread / 32).
   template <class SmemLayout, class TiledMma, class TensorO>
   CUTLASS_DEVICE static void stage_and_store(Params const& params, Element* smem_o, TensorO const& tOrO,
-                                             int mma_thread, int thread_idx, int m_block, int head, int batch) {
+                                             int mma_thread, int thread_idx, int m_block, int head,
+                                             Seq const& seq) {
     TiledMma tiled_mma_pv;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayout{});
     // STSM: four 8x8 matrices per instruction from the accumulator's register layout.
@@ -188,22 +203,52 @@ struct EpilogueFwdTma {
     // The rows were written through the generic proxy; TMA reads through the async proxy.
     cutlass::arch::fence_view_async_shared();
     __syncwarp();
+    int const warp = thread_idx / cutlass::NumThreadsPerWarp;
+    int const buffer_row0 = (mma_thread / cutlass::NumThreadsPerWarp) * kRowsPerWarp;
+    if (params.is_varlen) {
+      int const rows = seq.seqlen_q - (m_block * kBlockM + warp * kRowsPerWarp);
+      if (rows < kRowsPerWarp) {
+        store_rows_from_smem<SmemLayout>(params, smem_o, buffer_row0, m_block * kBlockM + warp * kRowsPerWarp, rows,
+                                         head, seq);
+        return;
+      }
+    }
     if (thread_idx % cutlass::NumThreadsPerWarp == 0) {  // lane 0 issues and later waits (wait_staging_read)
-      int const warp = thread_idx / cutlass::NumThreadsPerWarp;
-      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, head, batch);  // (seqlen_q, d)
+      Tensor mO = domain_offset(make_coord(seq.offset_q, _0{}),
+                                params.tma_o.get_tma_tensor(params.shape_o)(_, _, head, seq.batch));  // (seqlen_q, d)
       Tensor gO = local_tile(mO, BoxShape{}, make_coord(m_block * (kBlockM / kRowsPerWarp) + warp, _));  // (16, atom, d / atom)
       CUTE_UNROLL
       for (int c = 0; c < kHeadDim / kAtomCols; ++c) {
         // The box starts on a swizzle-atom boundary: its offset is that of the unswizzled
         // layout (TMA applies the swizzle from the address bits).
-        Element* box = smem_o + SmemLayout{}.layout_b()((mma_thread / cutlass::NumThreadsPerWarp) * kRowsPerWarp,
-                                                        c * kAtomCols);
+        Element* box = smem_o + SmemLayout{}.layout_b()(buffer_row0, c * kAtomCols);
         Tensor sBox = make_tensor(make_smem_ptr(box), SmemLayoutBox{});
         auto [tBgO, tBsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox),
                                           group_modes<0, 2>(gO));  // (TMA, d / atom), (TMA)
         copy(params.tma_o, tBsO, tBgO(_, c));
       }
       cute::tma_store_arrive();
+    }
+  }
+
+  // The warp's first `rows` (< 16) staged rows, from buffer row buffer_row0 on, to the
+  // sequence's rows from `row` on, 16 bytes per lane and store. The swizzle (of 16-byte
+  // units) keeps each 16-byte chunk of a row contiguous.
+  template <class SmemLayout>
+  CUTLASS_DEVICE static void store_rows_from_smem(Params const& params, Element const* smem_o, int buffer_row0,
+                                                  int row, int rows, int head, Seq const& seq) {
+    constexpr int kVec = 16 / sizeof(Element);
+    constexpr int kChunksPerRow = kHeadDim / kVec;
+    Element* o_tile = Direct::o_rows(params.direct, head, seq);
+    int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    CUTE_UNROLL
+    for (int chunk = lane; chunk < kRowsPerWarp * kChunksPerRow; chunk += cutlass::NumThreadsPerWarp) {
+      int const r = chunk / kChunksPerRow;
+      int const col = chunk % kChunksPerRow * kVec;
+      if (r < rows) {
+        *reinterpret_cast<uint4*>(o_tile + int64_t(row + r) * params.direct.o_row_stride + col) =
+            *reinterpret_cast<uint4 const*>(smem_o + SmemLayout{}(buffer_row0 + r, col));
+      }
     }
   }
 };

@@ -114,7 +114,12 @@ struct FlashBwdKernel {
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
     TileCoord const tile = tile_of(params);
-    int const n_block = tile.n_block, head = tile.head, batch = tile.batch;
+    int const n_block = tile.n_block, head = tile.head;
+    Seq const seq = params.mainloop.seqs.at(tile.batch);
+    // Packed batches: the grid covers the longest sequence's key tiles.
+    if constexpr (kClusterN == 1) {
+      if (!Mainloop::has_keys(seq, n_block)) { return; }
+    }
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
@@ -162,9 +167,9 @@ struct FlashBwdKernel {
         PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
         Mainloop::load(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                       write_q, write_do, n_block, head, batch);
+                       write_q, write_do, n_block, head, seq);
       } else if (warp_idx == 1) {
-        Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, batch);
+        Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, seq);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
@@ -175,10 +180,10 @@ struct FlashBwdKernel {
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
-      if (kClusterN > 1 && !Mainloop::has_keys(params.mainloop, n_block)) { return; }  // the cluster's padding
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seq);
+      if (kClusterN > 1 && !Mainloop::has_keys(seq, n_block)) { return; }  // the cluster's padding
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
-                      thread_idx, n_block, head, batch);
+                      thread_idx, n_block, head, seq);
     }
   }
 };

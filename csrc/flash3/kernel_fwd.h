@@ -153,10 +153,15 @@ struct FlashFwdKernel {
         PipelineStateQ write_q;  // advances with every tile that loads Q
         for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
-          if (Mainloop::n_block_end(params.mainloop, tile.m_block) <= 0) { continue; }
+          Seq const seq = params.mainloop.seqs.at(tile.batch);
+          // Tiles past the sequence's rows (packed batches: the grid covers the longest
+          // sequence) and tiles that see no key load nothing.
+          if (tile.m_block * Traits::kBlockM >= seq.seqlen_q || Mainloop::n_block_end(seq, tile.m_block) <= 0) {
+            continue;
+          }
           Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full[write_q.index()],
                          storage.barrier_q_empty[write_q.index()], write_q.phase(), write_q.index(), pipeline_k,
-                         pipeline_v, write_k, write_v, tile.m_block, tile.head, tile.batch);
+                         pipeline_v, write_k, write_v, tile.m_block, tile.head, seq);
           ++write_q;
         }
       }
@@ -167,11 +172,13 @@ struct FlashFwdKernel {
       PipelineStateQ read_q;  // the Q buffer of the current tile
       for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
-        bool const has_keys = Mainloop::n_block_end(params.mainloop, tile.m_block) > 0;
+        Seq const seq = params.mainloop.seqs.at(tile.batch);
+        if (tile.m_block * Traits::kBlockM >= seq.seqlen_q) { continue; }  // no rows: nothing to write
+        bool const has_keys = Mainloop::n_block_end(seq, tile.m_block) > 0;
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
                                  storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
-                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block);
+                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, seq);
         if (has_keys) { ++read_q; }
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {
@@ -184,7 +191,7 @@ struct FlashFwdKernel {
             Element* staging = warpgroup == 0 ? storage.mainloop.smem_v.data() + last_v * kStageElements
                                               : storage.mainloop.smem_k.data() + last_k * kStageElements;
             Epilogue::store_warpgroup(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head,
-                                      tile.batch);
+                                      seq);
             Epilogue::wait_staging_read();
             // UNLOCK the K and V stages: O has left them (only their index is read). Each
             // thread arrives after its own warp's stores have read the stage, and the stage
@@ -192,13 +199,13 @@ struct FlashFwdKernel {
             pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
             pipeline_v.consumer_release(PipelineState(last_v, 0, 0));
           } else {
-            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
           }
         } else if constexpr (Traits::kTmaStoreO) {
           if (has_keys) {
             Element* staging = Traits::kSmemOSeparate ? smem_o_of(storage) : storage.mainloop.smem_q.data();
             if constexpr (Traits::kSmemOSeparate) { Epilogue::wait_staging_read(); }  // LOCK sO (this warp's rows)
-            Epilogue::store(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+            Epilogue::store(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
             if constexpr (Traits::kReleaseQAfterEpilogue) {
               Epilogue::wait_staging_read();
               static_assert(kQStages == 1, "O is staged in the only Q buffer");
@@ -207,13 +214,13 @@ struct FlashFwdKernel {
           } else {
             // No key, no Q: the producer skipped this tile, so sQ may already hold the
             // next tile's Q. The zeros go straight from registers.
-            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
           }
         } else {
           // The thread index read afresh: the rows and addresses derived from it are then
           // computed here rather than kept live (or spilled) across the mainloop.
           int const epilogue_thread_idx = int(reread_thread_idx_x()) - cutlass::NumThreadsPerWarpGroup;
-          Epilogue::store(params.epilogue, tOrO, lse, epilogue_thread_idx, tile.m_block, tile.head, tile.batch);
+          Epilogue::store(params.epilogue, tOrO, lse, epilogue_thread_idx, tile.m_block, tile.head, seq);
         }
       }
       // TMA stores read shared memory asynchronously; it must outlive them.

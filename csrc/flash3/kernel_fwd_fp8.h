@@ -164,6 +164,8 @@ struct FlashFwdKernelFp8 {
                                  q_phase, pipeline_k, pipeline_vt, read_k, read_vt, tOrO, thread_idx, tile.m_block,
                                  tile.head, tile.batch);
         if (has_keys) { q_phase ^= 1; }
+        // FP8 batches are dense (seqlen.h).
+        Seq const seq{params.mainloop.seqlen_q, params.mainloop.seqlen_k, 0, 0, tile.batch, 0};
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {
             // The tile's last K and V^T stages (the mainloop left them locked) take the two
@@ -176,7 +178,7 @@ struct FlashFwdKernelFp8 {
                     ? reinterpret_cast<uint8_t*>(storage.mainloop.smem_vt.data()) + last_vt * kStageBytesVt
                     : reinterpret_cast<uint8_t*>(storage.mainloop.smem_k.data()) + last_k * kStageBytesK;
             Epilogue::store_warpgroup(params.epilogue, reinterpret_cast<ElementOut*>(staging), tOrO, lse, thread_idx,
-                                      tile.m_block, tile.head, tile.batch);
+                                      tile.m_block, tile.head, seq);
             Epilogue::wait_staging_read();
             // UNLOCK the K and V^T stages: O has left them (only their index is read). Each
             // thread arrives after its own warp's stores have read the stage; the stage
@@ -184,14 +186,14 @@ struct FlashFwdKernelFp8 {
             pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
             pipeline_vt.consumer_release(PipelineState(last_vt, 0, 0));
           } else {
-            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+            Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
           }
         } else if constexpr (Traits::kTmaStoreO) {
           Epilogue::wait_staging_read();  // LOCK sO (this warp's rows): its previous store has read them
           Epilogue::store(params.epilogue, storage.smem_o.data(), tOrO, lse, thread_idx, tile.m_block, tile.head,
-                          tile.batch);
+                          seq);
         } else {
-          Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, tile.batch);
+          Epilogue::store(params.epilogue, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
         }
       }
       // TMA stores read shared memory asynchronously; it must outlive them.

@@ -11,6 +11,7 @@
 #include "barriers.h"
 #include "mask.h"
 #include "params.h"
+#include "seqlen.h"
 #include "tma.h"
 #include "traits_bwd.h"
 #include "utils.h"
@@ -41,7 +42,8 @@ struct MainloopBwd {
   static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
   // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
-  // (seqlen_q_padded, head, batch), contiguous.
+  // (seqlen_q_padded, head, batch), contiguous. Packed batches (seqlen.h): batch 1, each
+  // sequence's rows from its offset (its padded offset in the row statistics).
   using ShapeQKV = ShapeRowsHead;
   using ShapeRow = Shape<int32_t, int32_t, int32_t>;
   using StrideRow = Stride<_1, int64_t, int64_t>;
@@ -105,8 +107,8 @@ struct MainloopBwd {
     ShapeQKV shape_q;
     ShapeQKV shape_k;
     ShapeRow shape_row;
-    int seqlen_q;
-    int seqlen_k;
+    SeqLayout seqs;  // seqlen.h: the CTA's sequence
+    int dq_m_blocks;  // the dQ workspace's tiles per head
     int nheads;
     int head_group;
     float softmax_scale_log2;
@@ -115,9 +117,9 @@ struct MainloopBwd {
   };
 
   static Params to_params(BwdParams const& p) {
-    ShapeQKV shape_q = rows_head_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    ShapeQKV shape_k = rows_head_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
-    ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.batch);
+    ShapeQKV shape_q = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
+    ShapeQKV shape_k = rows_head_shape(p.rows_k(), p.headdim, p.nheads_k, p.tensor_batch());
+    ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.tensor_batch());
     StrideRow stride_row = make_stride(_1{}, int64_t(p.seqlen_q_padded), int64_t(p.seqlen_q_padded) * p.nheads);
     return {make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
                        rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
@@ -129,7 +131,7 @@ struct MainloopBwd {
                        rows_head_stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride)),
             make_tma_row(p.lse_log2_ptr, shape_row, stride_row),
             make_tma_row(p.dpsum_ptr, shape_row, stride_row),
-            shape_q, shape_k, shape_row, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_k,
+            shape_q, shape_k, shape_row, p.seq_layout(), p.dq_m_blocks, p.nheads, p.nheads / p.nheads_k,
             p.softmax_scale_log2, p.dq_accum_ptr, p.deterministic ? p.dq_semaphore_ptr : nullptr};
   }
 
@@ -145,32 +147,32 @@ struct MainloopBwd {
   // Query tiles [m_begin, m_end) see some key of key tile n_block. Under the causal mask
   // (bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q) the first
   // row that sees the tile's first key is n_block * kBlockN - (seqlen_k - seqlen_q).
-  CUTLASS_DEVICE static int m_block_begin(Params const& params, int n_block) {
+  CUTLASS_DEVICE static int m_block_begin(Seq const& seq, int n_block) {
     if constexpr (Mask::kIsCausal) {
-      int const first_row = n_block * kBlockN - (params.seqlen_k - params.seqlen_q);
+      int const first_row = n_block * kBlockN - (seq.seqlen_k - seq.seqlen_q);
       return max(first_row, 0) / kBlockM;
     } else {
       return 0;
     }
   }
-  CUTLASS_DEVICE static int m_block_end(Params const& params) { return (params.seqlen_q + kBlockM - 1) / kBlockM; }
+  CUTLASS_DEVICE static int m_block_end(Seq const& seq) { return (seq.seqlen_q + kBlockM - 1) / kBlockM; }
 
   // The first query tile the CTA walks: the cluster's CTAs walk the same ones (they share
   // each tile's loads), from the first that sees the cluster's first key tile. Those
   // before the CTA's own m_block_begin are wholly masked for it: they add nothing to dK
   // and dV, and the dQ warp adds nothing from them (store_dq). Likewise, where the key
   // tiles are odd in number, for the last cluster's second CTA, which has no keys.
-  CUTLASS_DEVICE static int m_block_first(Params const& params, int n_block) {
-    return m_block_begin(params, n_block - n_block % kClusterN);
+  CUTLASS_DEVICE static int m_block_first(Seq const& seq, int n_block) {
+    return m_block_begin(seq, n_block - n_block % kClusterN);
   }
-  CUTLASS_DEVICE static bool has_keys(Params const& params, int n_block) { return n_block * kBlockN < params.seqlen_k; }
+  CUTLASS_DEVICE static bool has_keys(Seq const& seq, int n_block) { return n_block * kBlockN < seq.seqlen_k; }
 
   // The last key tile that query tile m_block sees (the inverse of m_block_begin: tile n
   // sees it iff n * kBlockN - (seqlen_k - seqlen_q) < (m_block + 1) * kBlockM); -1 if none.
-  CUTLASS_DEVICE static int n_block_last(Params const& params, int m_block) {
-    int const n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+  CUTLASS_DEVICE static int n_block_last(Seq const& seq, int m_block) {
+    int const n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
     if constexpr (Mask::kIsCausal) {
-      int const rows_end = (m_block + 1) * kBlockM + (params.seqlen_k - params.seqlen_q);
+      int const rows_end = (m_block + 1) * kBlockM + (seq.seqlen_k - seq.seqlen_q);
       return rows_end <= 0 ? -1 : min((rows_end - 1) / kBlockN, n_blocks - 1);
     } else {
       return n_blocks - 1;
@@ -183,9 +185,9 @@ struct MainloopBwd {
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                   PipelineState& write_q, PipelineState& write_do,
-                                  int n_block, int head, int batch) {
-    int const m_begin = m_block_first(params, n_block);
-    int const m_end = m_block_end(params);
+                                  int n_block, int head, Seq const& seq) {
+    int const m_begin = m_block_first(seq, n_block);
+    int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
     int const head_kv = head / params.head_group;
 
@@ -196,12 +198,15 @@ struct MainloopBwd {
     Tensor sLSE = make_tensor(make_smem_ptr(storage.smem_lse.data()), SmemLayoutRow{});
     Tensor sdPsum = make_tensor(make_smem_ptr(storage.smem_dpsum.data()), SmemLayoutRow{});
 
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, batch);     // (seqlen_q, d)
-    Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, batch);   // (seqlen_q, d)
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
-    Tensor mLSE = params.tma_lse.get_tma_tensor(params.shape_row)(_, head, batch);      // (seqlen_q_padded)
-    Tensor mdPsum = params.tma_dpsum.get_tma_tensor(params.shape_row)(_, head, batch);  // (seqlen_q_padded)
+    auto const q_rows = make_coord(seq.offset_q, _0{});
+    auto const k_rows = make_coord(seq.offset_k, _0{});
+    auto const stat_rows = make_coord(seq.offset_q_padded);
+    Tensor mQ = domain_offset(q_rows, params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, seq.batch));     // (seqlen_q, d)
+    Tensor mdO = domain_offset(q_rows, params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, seq.batch));   // (seqlen_q, d)
+    Tensor mK = domain_offset(k_rows, params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
+    Tensor mV = domain_offset(k_rows, params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
+    Tensor mLSE = domain_offset(stat_rows, params.tma_lse.get_tma_tensor(params.shape_row)(_, head, seq.batch));      // (seqlen_q_padded)
+    Tensor mdPsum = domain_offset(stat_rows, params.tma_dpsum.get_tma_tensor(params.shape_row)(_, head, seq.batch));  // (seqlen_q_padded)
     Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));      // (M, d, m)
     Tensor gdO = local_tile(mdO, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));    // (M, d, m)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeSdP{}), make_coord(n_block, _0{}));  // (N, d)
@@ -291,13 +296,13 @@ struct MainloopBwd {
                                  PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                  PipelineState& read_q, PipelineState& read_do,
                                  TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                 int thread_idx, int n_block, int head, int batch) {
+                                 int thread_idx, int n_block, Seq const& seq) {
     if constexpr (Traits::kSplitKeys) {
       mma_split_keys(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
-                     thread_idx, n_block, head, batch);
+                     thread_idx, n_block, seq);
     } else {
       mma_lockstep(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
-                   thread_idx, n_block, head, batch);
+                   thread_idx, n_block, seq);
     }
   }
 
@@ -323,11 +328,11 @@ struct MainloopBwd {
                                             PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                             PipelineState& read_q, PipelineState& read_do,
                                             TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                            int thread_idx, int n_block, int head, int batch) {
+                                            int thread_idx, int n_block, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_first(params, n_block);
-    int const m_end = m_block_end(params);
+    int const m_begin = m_block_first(seq, n_block);
+    int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
 
     typename Traits::TiledMmaSdP tiled_mma_sdp;
@@ -367,7 +372,7 @@ struct MainloopBwd {
     Tensor tStcSt = thr_mma_sdp.partition_C(cSt);
     Tensor tStcSt_rowcol = make_tensor(tStcSt.data(), accumulator_rowcol(tStcSt.layout()));
 
-    Policy const policy{params.seqlen_q, params.seqlen_k};
+    Policy const policy{seq.seqlen_q, seq.seqlen_k};
 
     storage.barrier_kv.wait(0);
 
@@ -590,11 +595,11 @@ struct MainloopBwd {
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                           PipelineState& read_q, PipelineState& read_do,
                                           TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                          int thread_idx, int n_block, int head, int batch) {
+                                          int thread_idx, int n_block, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_first(params, n_block);
-    int const m_end = m_block_end(params);
+    int const m_begin = m_block_first(seq, n_block);
+    int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
 
     typename Traits::TiledMmaSdP tiled_mma_sdp;
@@ -641,7 +646,7 @@ struct MainloopBwd {
     Tensor tScS = thr_mma_sdp.partition_C(cS);
     Tensor tScS_rowcol = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
 
-    Policy const policy{params.seqlen_q, params.seqlen_k};
+    Policy const policy{seq.seqlen_q, seq.seqlen_k};
 
     storage.barrier_kv.wait(0);
 
@@ -774,15 +779,16 @@ struct MainloopBwd {
   // done.
   // Without kDqViaSmem the dO half (warpgroup 1's) is handed over first (mma_lockstep).
   static constexpr int kFirstHalf = Traits::kDqViaSmem ? 0 : 1;
-  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head, int batch) {
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head,
+                                      Seq const& seq) {
     // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
-    int const m_begin = m_block_first(params, n_block);
-    int const m_end = m_block_end(params);
+    int const m_begin = m_block_first(seq, n_block);
+    int const m_end = m_block_end(seq);
     // Query tiles the cluster walks but this key tile does not see (m_block_first) add
     // nothing: no reduction, no turn in deterministic mode.
-    int const m_own_begin = has_keys(params, n_block) ? m_block_begin(params, n_block) : m_end;
+    int const m_own_begin = has_keys(seq, n_block) ? m_block_begin(seq, n_block) : m_end;
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-    int64_t const head_tile0 = (int64_t(batch) * params.nheads + head) * m_end;
+    int64_t const head_tile0 = (int64_t(seq.batch) * params.nheads + head) * params.dq_m_blocks + seq.offset_q_padded / kBlockM;
     constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
@@ -804,7 +810,7 @@ struct MainloopBwd {
         storage.barrier_dq_full[stage][half].wait(phase);  // LOCK sdQ half
         if (lane == 0) {
           if (i == 0 && semaphore != nullptr) {
-            turn = n_block_last(params, m_block) - n_block;
+            turn = n_block_last(seq, m_block) - n_block;
             while (cuda_ld_acquire(semaphore) != turn) {}
             // Order the acquire before the (async-proxy) reductions below.
             asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -10,6 +10,7 @@
 #include "barriers.h"
 #include "mask.h"
 #include "params.h"
+#include "seqlen.h"
 #include "softmax.h"
 #include "tma.h"
 #include "traits.h"
@@ -49,21 +50,20 @@ struct MainloopFwd {
 
   // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
   struct Params : Loads {
-    int seqlen_q;
-    int seqlen_k;
+    SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
     float softmax_scale;
     float softmax_scale_log2;
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Loads::make(p), p.seqlen_q, p.seqlen_k, p.nheads / p.nheads_k, p.softmax_scale, p.softmax_scale_log2};
+    return {Loads::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.softmax_scale, p.softmax_scale_log2};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) { params.prefetch_descriptors(); }
 
-  CUTLASS_DEVICE static int n_block_end(Params const& params, int m_block) {
-    return Policy{params.seqlen_q, params.seqlen_k}.n_block_end(m_block);
+  CUTLASS_DEVICE static int n_block_end(Seq const& seq, int m_block) {
+    return Policy{seq.seqlen_q, seq.seqlen_k}.n_block_end(m_block);
   }
 
   CUTLASS_DEVICE static Element* smem_q_stage(SharedStorage& storage, int q_stage) {
@@ -80,8 +80,8 @@ struct MainloopFwd {
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
                                   PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineState& write_k, PipelineState& write_v,
-                                  int m_block, int head, int batch) {
-    int const n_end = n_block_end(params, m_block);
+                                  int m_block, int head, Seq const& seq) {
+    int const n_end = n_block_end(seq, m_block);
     if (n_end <= 0) { return; }
     int const head_kv = head / params.head_group;
 
@@ -89,9 +89,13 @@ struct MainloopFwd {
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
 
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, batch);     // (seqlen_q, d)
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, batch);  // (seqlen_k, d)
+    // The sequence's rows (from its first row in packed tensors).
+    Tensor mQ = domain_offset(make_coord(seq.offset_q, _0{}),
+                              params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, seq.batch));     // (seqlen_q, d)
+    Tensor mK = domain_offset(make_coord(seq.offset_k, _0{}),
+                              params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
+    Tensor mV = domain_offset(make_coord(seq.offset_k, _0{}),
+                              params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
     Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(m_block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
     Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
@@ -171,7 +175,7 @@ struct MainloopFwd {
                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineState& read_k, PipelineState& read_v,
-                                 TensorO& tOrO, int thread_idx, int m_block) {
+                                 TensorO& tOrO, int thread_idx, int m_block, Seq const& seq) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
     using TiledMmaPV = typename Traits::TiledMmaPV;
     TiledMmaQK tiled_mma_qk;
@@ -191,7 +195,7 @@ struct MainloopFwd {
     Tensor tScS_rowcol = make_tensor(thr_mma_qk.partition_C(cS).data(),
                                      accumulator_rowcol(thr_mma_qk.partition_C(cS).layout()));
 
-    Policy const policy{params.seqlen_q, params.seqlen_k};
+    Policy const policy{seq.seqlen_q, seq.seqlen_k};
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
     OnlineSoftmax<kRows, Traits::kLazyRescale, Traits::kIntRowMax> softmax(params.softmax_scale_log2);
@@ -213,7 +217,7 @@ struct MainloopFwd {
     };
 
     barrier_q_full.wait(q_phase);
-    uint32_t const zero = opaque_zero(params.seqlen_q);  // utils.h run_in_own_block
+    uint32_t const zero = opaque_zero(seq.seqlen_q);  // utils.h run_in_own_block
 
     // First key tile: S only.
     int n_block = n_end - 1;

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "seqlen.h"
+
 namespace flash3 {
 
 struct FwdParams {
@@ -15,13 +17,25 @@ struct FwdParams {
   void const* k_ptr = nullptr;
   void const* v_ptr = nullptr;
   void* o_ptr = nullptr;
-  // Float32, (batch, nheads, seqlen_q), contiguous.
+  // Float32: (batch, nheads, seqlen_q) for dense batches, (nheads, total_q) for packed
+  // ones; element (b, h, row) at b * lse_batch_stride + h * lse_head_stride + row.
   float* lse_ptr = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
   int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  // Variable-length batches (seqlen.h): q, k, v, o packed as (total, nheads, headdim),
+  // i.e. batch dimension 1 with batch strides unused; batch counts the sequences and
+  // seqlen_q / seqlen_k are their maxima. Null cu_seqlens_q: a dense batch.
+  int const* cu_seqlens_q = nullptr;
+  int const* cu_seqlens_k = nullptr;
+  int const* seqused_q = nullptr;
+  int const* seqused_k = nullptr;
+  int total_q = 0;
+  int total_k = 0;
 
   int batch = 0;
   int seqlen_q = 0;
@@ -40,6 +54,13 @@ struct FwdParams {
   // A forced section size for the tile order of the causal kernels that run one CTA per
   // tile (scheduler.h); 0: derived from the tile count.
   int head_section = 0;
+
+  CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  CUTLASS_HOST_DEVICE SeqLayout seq_layout() const { return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k}; }
+  // The row and batch extents of the tensors as TMA sees them (tma.h).
+  int rows_q() const { return is_varlen() ? total_q : seqlen_q; }
+  int rows_k() const { return is_varlen() ? total_k : seqlen_k; }
+  int tensor_batch() const { return is_varlen() ? 1 : batch; }
 };
 
 // The query-tile height of the backward kernel of a head dim. The binding sizes the dQ
@@ -76,11 +97,14 @@ struct BwdParams : FwdParams {
   // of the dQ accumulator's registers (mainloop_bwd.h) and put back in rows by the
   // postprocess kernel; dq_semaphore: int32 (batch, nheads, m_blocks), zeroed, only with
   // deterministic. m_blocks = ceil(seqlen_q / bwd_block_m(headdim)).
+  // Packed batches (seqlen.h): batch dimension 1, seqlen_q_padded rows per head, each
+  // sequence's from Seq::offset_q_padded, and m_blocks = seqlen_q_padded / bwd_block_m.
   float* lse_log2_ptr = nullptr;
   float* dpsum_ptr = nullptr;
   float* dq_accum_ptr = nullptr;
   int* dq_semaphore_ptr = nullptr;
   int seqlen_q_padded = 0;
+  int dq_m_blocks = 0;  // m_blocks above: the dQ workspace's tiles per head
   bool deterministic = false;
 };
 

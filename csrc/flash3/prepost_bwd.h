@@ -16,6 +16,7 @@
 #include <cute/tensor.hpp>
 
 #include "params.h"
+#include "seqlen.h"
 
 namespace flash3 {
 
@@ -37,16 +38,18 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
   int const rows_per_block = kPrepostThreads / lanes_per_row;
   int const group_lane = threadIdx.x % lanes_per_row;
   int const row = blockIdx.x * rows_per_block + threadIdx.x / lanes_per_row;
-  int const head = blockIdx.y, batch = blockIdx.z;
+  int const head = blockIdx.y;
+  Seq const seq = params.seq_layout().at(blockIdx.z);
   // No early return: every lane of a row group takes part in the shuffles below.
-  bool const in_pad = row < params.seqlen_q_padded;
-  bool const valid = row < params.seqlen_q;
+  bool const in_pad = row < (seq.seqlen_q + kVarlenRowPad - 1) / kVarlenRowPad * kVarlenRowPad;
+  bool const valid = row < seq.seqlen_q;
   float sum = 0.f;
   if (valid) {
-    auto const* o = static_cast<Element const*>(params.o_ptr) + batch * params.o_batch_stride +
-                    row * params.o_row_stride + head * params.o_head_stride;
-    auto const* dout = static_cast<Element const*>(params.do_ptr) + batch * params.do_batch_stride +
-                       row * params.do_row_stride + head * params.do_head_stride;
+    int64_t const o_row = int64_t(seq.offset_q) + row;
+    auto const* o = static_cast<Element const*>(params.o_ptr) + seq.batch * params.o_batch_stride +
+                    o_row * params.o_row_stride + head * params.o_head_stride;
+    auto const* dout = static_cast<Element const*>(params.do_ptr) + seq.batch * params.do_batch_stride +
+                       o_row * params.do_row_stride + head * params.do_head_stride;
     for (int col = group_lane * kVec; col < params.headdim; col += lanes_per_row * kVec) {
       auto const o8 = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + col);
       auto const do8 = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + col);
@@ -56,14 +59,16 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
   }
   for (int offset = lanes_per_row / 2; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
   if (group_lane != 0 || !in_pad) { return; }
-  int64_t const out_idx = (int64_t(batch) * params.nheads + head) * params.seqlen_q_padded + row;
+  int64_t const out_idx =
+      (int64_t(seq.batch) * params.nheads + head) * params.seqlen_q_padded + seq.offset_q_padded + row;
   if (!valid) {
     // Rows past seqlen_q: lse = +inf, so P = 0 there.
     params.dpsum_ptr[out_idx] = 0.f;
     params.lse_log2_ptr[out_idx] = INFINITY;
     return;
   }
-  int64_t const lse_idx = (int64_t(batch) * params.nheads + head) * params.seqlen_q + row;
+  int64_t const lse_idx =
+      seq.batch * params.lse_batch_stride + head * params.lse_head_stride + seq.offset_q + row;
   float const lse = params.lse_ptr[lse_idx];
   if (params.dlse_ptr != nullptr) { sum -= params.dlse_ptr[lse_idx]; }
   params.dpsum_ptr[out_idx] = sum;
@@ -86,11 +91,15 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
   // then fall in 32 different banks, and rows stay 16-byte aligned.
   constexpr int kSmemRowStride = kCols + kVec;
   __shared__ alignas(16) Element tile_smem[kRows * kSmemRowStride];
-  int const m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  int const m_block = blockIdx.x, head = blockIdx.y;
+  Seq const seq = params.seq_layout().at(blockIdx.z);
+  int const row0 = m_block * kRows;
+  if (row0 >= seq.seqlen_q) { return; }  // packed batches: the grid covers the longest sequence
   int const tid = threadIdx.x;
-  int const m_blocks = gridDim.x;
   float4 const* tile = reinterpret_cast<float4 const*>(
-      params.dq_accum_ptr + ((int64_t(batch) * params.nheads + head) * m_blocks + m_block) * Traits::kDqElements);
+      params.dq_accum_ptr +
+      ((int64_t(seq.batch) * params.nheads + head) * params.dq_m_blocks + seq.offset_q_padded / kRows + m_block) *
+          Traits::kDqElements);
   typename Traits::TiledMmadQ tiled_mma_dq;
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tid);
   cute::Tensor cdQ = cute::make_identity_tensor(cute::select<0, 1>(typename Traits::TileShapedQ{}));
@@ -111,14 +120,14 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
     }
   }
   __syncthreads();
-  auto* dq_head = static_cast<Element*>(params.dq_ptr) + batch * params.dq_batch_stride + head * params.dq_head_stride;
-  int const row0 = m_block * kRows;
+  auto* dq_head = static_cast<Element*>(params.dq_ptr) + seq.batch * params.dq_batch_stride +
+                  head * params.dq_head_stride + int64_t(seq.offset_q) * params.dq_row_stride;
   constexpr int kChunksPerRow = kCols / kVec;
   CUTLASS_PRAGMA_UNROLL
   for (int chunk = tid; chunk < kRows * kChunksPerRow; chunk += Traits::kConsumerThreads) {
     int const row = chunk / kChunksPerRow;
     int const col = chunk % kChunksPerRow * kVec;
-    if (row0 + row < params.seqlen_q) {
+    if (row0 + row < seq.seqlen_q) {
       *reinterpret_cast<uint4*>(dq_head + int64_t(row0 + row) * params.dq_row_stride + col) =
           *reinterpret_cast<uint4 const*>(&tile_smem[row * kSmemRowStride + col]);
     }
@@ -128,7 +137,9 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
 template <class Element>
 cudaError_t run_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
   int const rows_per_block = kPrepostThreads / prepost_lanes_per_row(params.headdim);
-  dim3 const grid((params.seqlen_q_padded + rows_per_block - 1) / rows_per_block, params.nheads, params.batch);
+  // Each sequence's rows, padded (seqlen.h; for dense batches, seqlen_q_padded).
+  int const rows = (params.seqlen_q + kVarlenRowPad - 1) / kVarlenRowPad * kVarlenRowPad;
+  dim3 const grid((rows + rows_per_block - 1) / rows_per_block, params.nheads, params.batch);
   bwd_preprocess_kernel<Element><<<grid, kPrepostThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }

@@ -70,8 +70,8 @@ struct FwdLoadsTma {
   ShapeRowsHead shape_k;
 
   static FwdLoadsTma make(FwdParams const& p) {
-    ShapeRowsHead shape_q = rows_head_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    ShapeRowsHead shape_k = rows_head_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+    ShapeRowsHead shape_q = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
+    ShapeRowsHead shape_k = rows_head_shape(p.rows_k(), p.headdim, p.nheads_k, p.tensor_batch());
     return {make_q(static_cast<Element const*>(p.q_ptr), shape_q,
                    rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
             make_kv(static_cast<Element const*>(p.k_ptr), shape_k,

@@ -1,0 +1,54 @@
+// Where one sequence of a batch lives, for dense and variable-length batches alike.
+//
+// Dense batches: sequence b has the params' seqlen_q and seqlen_k and is entry b of the
+// tensors' batch dimension. Variable-length batches (cu_seqlens_q non-null): q, k, v and
+// o are packed (total, nheads, headdim) and seen as one batch entry of `total` rows;
+// sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and o and rows
+// [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, of which seqused_q[b] and
+// seqused_k[b], where given, are used. The lengths are read on the device, per tile: the
+// host knows only their maxima, so a call needs no host synchronisation.
+#pragma once
+
+#include <cutlass/cutlass.h>
+
+namespace flash3 {
+
+// The row statistics and dQ workspaces of the backward pad every sequence to whole tiles
+// of this many rows (a multiple of every backward query tile).
+constexpr int kVarlenRowPad = 128;
+
+// One sequence: its lengths, its first row in the packed tensors (0 for dense batches)
+// and its index in the tensors' batch dimension (b for dense batches, 0 for packed ones).
+struct Seq {
+  int seqlen_q;
+  int seqlen_k;
+  int offset_q;
+  int offset_k;
+  int batch;
+  // The first row of the sequence in the backward's padded workspaces (kVarlenRowPad):
+  // sequence b's rows start at a multiple of the pad, with room for its last tile before
+  // sequence b + 1's; 0 for dense batches, whose workspaces have a batch dimension.
+  int offset_q_padded;
+};
+
+struct SeqLayout {
+  int const* cu_seqlens_q = nullptr;  // (batch + 1), or null: a dense batch
+  int const* cu_seqlens_k = nullptr;
+  int const* seqused_q = nullptr;  // (batch), or null
+  int const* seqused_k = nullptr;
+  int seqlen_q = 0;  // dense: every sequence's length; packed: the maxima
+  int seqlen_k = 0;
+
+  CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+
+  CUTLASS_DEVICE Seq at(int b) const {
+    if (cu_seqlens_q == nullptr) { return {seqlen_q, seqlen_k, 0, 0, b, 0}; }
+    int const begin_q = cu_seqlens_q[b];
+    int const begin_k = cu_seqlens_k[b];
+    int const len_q = seqused_q != nullptr ? seqused_q[b] : cu_seqlens_q[b + 1] - begin_q;
+    int const len_k = seqused_k != nullptr ? seqused_k[b] : cu_seqlens_k[b + 1] - begin_k;
+    return {len_q, len_k, begin_q, begin_k, 0, (begin_q + b * kVarlenRowPad) / kVarlenRowPad * kVarlenRowPad};
+  }
+};
+
+}  // namespace flash3

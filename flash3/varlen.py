@@ -1,0 +1,232 @@
+"""Variable-length (packed) batches: ``flash3.attention_varlen``.
+
+The compiled ops are ``torch.ops.flash3.fwd_varlen`` and ``torch.ops.flash3.bwd_varlen``.
+The sequences' lengths stay on the GPU (the kernels read ``cu_seqlens`` per tile), so a
+call never synchronises with the host and can be captured in a CUDA graph and replayed
+with other lengths of the same totals.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .interface import _C, _C_IMPORT_ERROR, SUPPORTED_DTYPES, SUPPORTED_HEADDIMS, _check_built
+
+_NAME = "flash3.attention_varlen"
+
+
+def _fail(exc_type, name, value, supported):
+    raise exc_type(f"{_NAME}: {name} is {value}; supported: {supported}")
+
+
+def _check_index_tensor(name, t, size):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, type(t).__name__, "a torch.Tensor of int32")
+    if t.dtype != torch.int32:
+        _fail(TypeError, f"{name}.dtype", t.dtype, "torch.int32")
+    if t.dim() != 1:
+        _fail(ValueError, f"{name}.dim()", t.dim(), "1")
+    if size is not None and t.shape[0] != size:
+        _fail(ValueError, f"{name}.shape[0]", t.shape[0], f"{size} (the batch size that cu_seqlens_q gives)")
+
+
+def _check_max_seqlen(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(TypeError, name, type(value).__name__, "a Python int (the longest sequence's length)")
+    if value < 0 or value >= 2**31:
+        _fail(ValueError, name, value, "0 <= max_seqlen < 2^31")
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+                  softmax_scale, deterministic):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(TypeError, f"{name}.dtype", t.dtype, "torch.bfloat16, torch.float16")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(TypeError, f"{name}.dtype", t.dtype, f"the dtype of q ({q.dtype})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            _fail(ValueError, f"{name}.dim()", t.dim(), "3: (total_tokens, nheads, headdim)")
+    _, nheads, headdim = q.shape
+    if k.shape != v.shape:
+        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
+    if k.shape[2] != headdim:
+        _fail(ValueError, "k.shape[2] (headdim)", k.shape[2], f"the headdim of q ({headdim})")
+    if headdim not in SUPPORTED_HEADDIMS:
+        _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)))
+    nheads_k = k.shape[1]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if not isinstance(causal, bool):
+        _fail(TypeError, "causal", type(causal).__name__, "bool")
+    if not isinstance(deterministic, bool):
+        _fail(TypeError, "deterministic", type(deterministic).__name__, "bool")
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        _fail(ValueError, "softmax_scale", softmax_scale, "a positive finite float, or None for 1/sqrt(headdim)")
+    # The length tensors' types and shapes before any device: every argument error is
+    # reported the same way on a machine without a GPU.
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None)
+    if cu_seqlens_q.shape[0] < 1:
+        _fail(ValueError, "cu_seqlens_q.shape[0]", 0, "batch + 1 >= 1")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, batch + 1)
+    index_tensors = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _check_index_tensor(name, t, batch)
+            index_tensors.append((name, t))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            _fail(TypeError, f"{name}.device", t.device, "CUDA tensors on a Hopper GPU (sm_90)")
+    for name, t in (("k", k), ("v", v), *index_tensors):
+        if t.device != q.device:
+            _fail(TypeError, f"{name}.device", t.device, f"the device of q ({q.device})")
+    if _C is None:
+        raise RuntimeError(f"{_NAME}: the compiled extension flash3._C is missing ({_C_IMPORT_ERROR})")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)")
+
+
+def validate_seqlens(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                     seqused_k=None):
+    """Check the *values* of the length tensors (copies them to the host: a sync).
+
+    ``cu_seqlens`` must start at 0, never decrease and end at the total number of rows;
+    no sequence (nor ``seqused`` entry) may be longer than ``max_seqlen``; ``seqused[b]``
+    must fit in sequence b's slot. Raises ValueError naming the argument.
+    """
+    for name, cu, total, max_len, used in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, seqused_q),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, seqused_k),
+    ):
+        c = cu.cpu().tolist()
+        if c[0] != 0:
+            _fail(ValueError, f"{name}[0]", c[0], "0")
+        lengths = [b - a for a, b in zip(c[:-1], c[1:])]
+        if any(n < 0 for n in lengths):
+            _fail(ValueError, name, c, "a non-decreasing sequence of offsets")
+        if c[-1] != total:
+            _fail(ValueError, f"{name}[-1]", c[-1], f"the total number of rows ({total})")
+        side = name[-1]
+        if used is not None:
+            u = used.cpu().tolist()
+            bad = [b for b, (n, m) in enumerate(zip(u, lengths)) if n < 0 or n > m]
+            if bad:
+                _fail(ValueError, f"seqused_{side}[{bad[0]}]", u[bad[0]],
+                      f"0 <= seqused <= the slot's length ({lengths[bad[0]]})")
+            lengths = u
+        longest = max(lengths, default=0)
+        if longest > max_len:
+            _fail(ValueError, f"max_seqlen_{side}", max_len, f">= the longest sequence ({longest})")
+
+
+if _C is not None:
+
+    @torch.library.register_fake("flash3::fwd_varlen")
+    def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, deterministic=False):
+        total_q, nheads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+    @torch.library.register_fake("flash3::bwd_varlen")
+    def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+        return (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+        )
+
+    def _setup_context(ctx, inputs, output):
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+         causal) = inputs[:11]
+        ctx.deterministic = inputs[11] if len(inputs) > 11 else False
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        ctx.has_seqused = (seqused_q is not None, seqused_k is not None)
+        out, lse = output
+        saved = [q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]
+        saved += [t for t in (seqused_q, seqused_k) if t is not None]
+        ctx.save_for_backward(*saved)
+
+    def _backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *used = ctx.saved_tensors
+        seqused_q = used.pop(0) if ctx.has_seqused[0] else None
+        seqused_k = used.pop(0) if ctx.has_seqused[1] else None
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.flash3.bwd_varlen(
+            grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+        )
+        return (dq, dk, dv) + (None,) * 9
+
+    torch.library.register_autograd("flash3::fwd_varlen", _backward, setup_context=_setup_context)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
+                     seqused_k=None, causal=False, softmax_scale=None, return_lse=False, deterministic=False,
+                     validate=False):
+    """Attention over a packed batch of sequences of different lengths, on a Hopper GPU.
+
+    Args:
+        q: (total_q, nheads, headdim), the batch's query tokens back to back;
+            torch.bfloat16 or torch.float16, CUDA.
+        k, v: (total_k, nheads_k, headdim), same dtype and device; GQA/MQA as in
+            ``flash3.attention``.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of the output) and
+            ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v. Empty sequences are legal.
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence's length
+            (they size the grid; the lengths themselves are read on the GPU).
+        seqused_q, seqused_k: int32 (batch,) or None: sequence b uses only the first
+            ``seqused[b]`` rows of its slot; the rest is neither attended to nor written
+            (its gradients are zero).
+        causal: bottom-right aligned per sequence, as in ``flash3.attention``.
+        softmax_scale, deterministic: as in ``flash3.attention``.
+        return_lse: also return the logsumexp, float32 (nheads, total_q) (FlashAttention-3's
+            layout); gradients flow through it.
+        validate: check the values of the length tensors first (a host synchronisation;
+            also on when the environment sets FLASH3_VALIDATE=1). Without it, wrong
+            lengths are the caller's contract: rows may be left unwritten.
+
+    Returns:
+        out (total_q, nheads, headdim), or (out, lse) when return_lse. Output rows that
+        belong to no sequence (past ``seqused`` or ``cu_seqlens[-1]``) are not written.
+
+    No host synchronisation happens in the call (unless ``validate``): it can be captured
+    in a CUDA graph and replayed with other lengths of the same totals and maxima.
+    Rows of a slot past ``seqused`` and rows past the tensors' valid sequences are read
+    by the kernels (multiplied by zero weights), so they must hold finite values.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+                  softmax_scale, deterministic)
+    _check_built("fwd", q, causal)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _check_built("bwd", q, causal)
+    if validate or os.environ.get("FLASH3_VALIDATE") == "1":
+        validate_seqlens(q.shape[0], k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                         seqused_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = torch.ops.flash3.fwd_varlen(
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+        None if seqused_q is None else seqused_q.contiguous(),
+        None if seqused_k is None else seqused_k.contiguous(),
+        max_seqlen_q, max_seqlen_k, float(softmax_scale), causal, deterministic,
+    )
+    return (out, lse) if return_lse else out
