@@ -62,7 +62,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  false, fwd_fp8<128, NoMask>(),             128},
   {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
   // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
-  // A/B, session 6; V's scale in the exponent makes tiles across scale blocks exact).
+  // A/B; V's scale in the exponent makes tiles across scale blocks exact).
   // Non-causal, the kShortSeq kernel below serves every length from 1152 keys.
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
   {  256,  false, fwd_fp8<256, NoMask>(),             128},
@@ -71,29 +71,29 @@ FwdFp8Entry const kFwdFp8Table[] = {
   // others, so that FLASH3_FP8_BLOCK_N still forces the general ones):
   //                                                 key tile  seqlen_k from  to
   {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
-  // Up to 8192 keys. The thirteenth session had measured the general 192-key kernel
-  // (softmax under the PV GEMM, lazy rescale) faster above 4096 (8192: +3.9%); with the
-  // scales one per lane (seventeenth session) and the dealt last rounds (nineteenth) the
-  // short one is now +8.4% at 8192 (H200 A/B, twentieth session, three passes each) and
+  // Up to 8192 keys. The general 192-key kernel (softmax under the PV GEMM, lazy
+  // rescale) had measured faster above 4096 (8192: +3.9%); with the scales one per lane
+  // (kLaneScales) and the dealt last rounds (scheduler_tail.h) the short one is
+  // +8.4% at 8192 (H200 A/B, three passes each) and
   // level at 4096, while at 16k it is 18% slower.
   {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8192},
   {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
   // hdim 64: two consumer warpgroups up to 1k keys, three up to 8k; at 16k one CTA per
-  // tile (H200 A/B, twentieth session: traits_fp8.h TileConfigFp8).
+  // tile (H200 A/B: traits_fp8.h TileConfigFp8).
   {   64,  true,  fwd_fp8< 64, CausalMask, 0, true, 2>(), 128,    0,  1024},
   {   64,  true,  fwd_fp8< 64, CausalMask, 0, true>(),    128,    0,  8192},
   // hdim 128 non-causal from 1152 keys, at any length: the softmax after the PV GEMM
-  // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). The eleventh
-  // session had measured the softmax under the PV GEMM faster from 8k keys; with the
-  // scales one per lane (seventeenth session) this kernel is +5.3 / +3.4 / +2.4% at 8k /
-  // 16k / 32k (H200 A/B, twentieth session, three passes each), so the general 192-key
+  // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). The softmax
+  // under the PV GEMM had measured faster from 8k keys; with the scales one per lane
+  // (kLaneScales) this kernel is +5.3 / +3.4 / +2.4% at 8k /
+  // 16k / 32k (H200 A/B, three passes each), so the general 192-key
   // non-causal kernel is no longer built. Against the 128-key kernel below 2k keys (same
   // A/B): -7.6 / -4.6% at 512 / 1024, +7.1 / +1.8 / -1.3 / +7.6 / +0.8% at 1152 / 1280 /
   // 1408 / 1536 / 1792 (most where 192 divides the length).
   {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  1152},
   // hdim 256 non-causal up to 4k keys: the persistent kernel, whose next tile's Q and first
-  // K/V load under the current tile (H200 A/B against one CTA per tile, nineteenth
-  // session, bitwise-identical outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k;
+  // K/V load under the current tile (H200 A/B against one CTA per tile, three passes,
+  // bitwise-identical outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k;
   // -1.5 / -2.3% at 8k / 16k, which keep the general kernel).
   {  256,  false, fwd_fp8<256, NoMask, 0, true>(),       128,     0,  4096},
   // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, INT_MAX, true}

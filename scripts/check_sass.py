@@ -46,16 +46,16 @@ REQUIRED_FP8 = ["QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "BAR.SYNC", "BAR.ARV"
 NO_PINGPONG_FP8 = {(64, False)}
 # Kernels allowed some local-memory instructions: (head dim, causal) -> the most LDL + STL
 # accepted, so that the check still fails on any new spill or a larger one. Empty: no
-# kernel spills (the backward's P/dS stores went to STSM for that, see benchmarks/NOTES.md).
+# kernel spills (the backward's P/dS stores went to STSM for that, see docs/performance.md).
 KNOWN_BWD_SPILLS = {}
 # The causal FP8 hdim 256 kernels (128-key tiles) need all 240 registers per consumer
 # thread for O, S and P and keep a few values in local memory: the tile's coordinates
 # for the epilogue (outside the key loop) and the softmax scale times Q's scale (one L1
-# load per key tile). The non-causal one has none since the seventeenth session
+# load per key tile). The non-causal one has none
 # (traits_fp8.h kPingpongIdsFromThreadIdx, kOneScaleOffset). The spill-free 96-key tile
-# measured 4-21% slower (benchmarks/NOTES.md).
+# measured 4-21% slower (docs/performance.md).
 # hdim 256 causal 13, its persistent short-sequence kernel 9 (26 and 26 before); non-causal
-# 0, its persistent short-sequence kernel 4 (nineteenth session).
+# 0, its persistent short-sequence kernel 4.
 KNOWN_FP8_SPILLS = {(256, True): 13, (256, False): 4}
 
 

@@ -195,7 +195,7 @@ def test_fp8_kernel_gqa_and_varying_scales(request, seed, d, sk):
     tiles over 128-key scale blocks from 2k keys, and from 8k keys the kernels with the
     lazy rescale, traits_fp8.h kLazyRescale)."""
     if d == 256 and sk == 8300:
-        # Measured on the H200 (thirteenth session), with and without the lazy rescale
+        # Measured on the H200, with and without the lazy rescale
         # (hdim 256 has none): the worst output element errs 14.56 against a bound of
         # 14.36 (twice the emulation's worst, plus the floor); RMSE 1.84x the
         # emulation's, within its bound. Known, kept visible as an expected failure.

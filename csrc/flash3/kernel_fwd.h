@@ -34,7 +34,7 @@ struct FlashFwdKernel {
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
   // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
   // order with its last rounds dealt out on the host (scheduler.h, scheduler_tail.h,
-  // traits.h). H200 A/B against the plain snake (nineteenth session, three passes,
+  // traits.h). H200 A/B against the plain snake (three passes,
   // bitwise-identical outputs): causal hdim 64 +1.2..+1.7%, hdim 128 +1.5..+2.4% and
   // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
   static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;

@@ -33,7 +33,7 @@ struct FlashFwdKernelFp8 {
   using ElementOut = typename Traits::ElementOut;
   // The persistent causal kernels deal their last rounds of tiles out on the host
   // (scheduler_tail.h), as the 16-bit short causal kernels do. H200 A/B against the plain
-  // snake (nineteenth session, three passes, bitwise-identical outputs): hdim 128
+  // snake (three passes, bitwise-identical outputs): hdim 128
   // +1.5..+2.5% and hdim 256 +1.4..+2.3% at 1k-4k keys (+0.2% at 512).
   static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
   using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,

@@ -28,7 +28,7 @@ CUTLASS_HOST_DEVICE SectionedTile sectioned_tile(int tile, int per_head, int sec
 // longest tile in the first round; 1 where one head has more tiles than half the SMs
 // (then head by head already fills the GPU with one head's tiles). `forced` > 0
 // overrides it (FLASH3_HEAD_SECTION, for A/B runs; 1 gives the plain head-by-head order).
-// Measured on the H200 (causal, bf16, one process; benchmarks/NOTES.md): forward +2..+9%
+// Measured on the H200 (causal, bf16, one process; docs/performance.md): forward +2..+9%
 // at 2k-8k tokens, backward +2..+4% at 2k-4k; at 16k tokens, where this gives 1, no size
 // gained (and 16 lost 10% in the backward); sizes that are not powers of two gained less
 // or lost.

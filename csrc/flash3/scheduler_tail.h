@@ -8,7 +8,7 @@
 // (hdim 64, 16k tokens) and 132 SMs, 4 CTAs run a 32nd tile while 128 idle, 3% of the
 // kernel, whatever the tiles' lengths. Dealt out longest first to the least loaded CTAs,
 // the last rounds' tiles even that out to within the shortest tiles (host model: +2..+3%
-// at 512-2k tokens, benchmarks/NOTES.md).
+// at 512-2k tokens, docs/performance.md).
 #pragma once
 
 #include <algorithm>

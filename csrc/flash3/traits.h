@@ -124,7 +124,7 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<128, kIsCausal, kSho
   // from Q, and staging it in Q's buffer holds back the next tile's Q (-2..-11%). The
   // tiles that do leave room (x144, x160) with the TMA store were within +-4% of this
   // one with direct stores (A/B, H200), so it stays on direct stores. Staged over the
-  // last K and V stages instead (kOInKVStages, fifteenth session) it was 4-5% slower
+  // last K and V stages instead (kOInKVStages) it was 4-5% slower
   // from 4k keys.
   static constexpr bool kTmaStoreO = kIsCausal || kShortSeq;
 };
@@ -162,7 +162,7 @@ struct KernelTraits {
   // How much of the softmax of key tile j + 1 runs under the warpgroup's own
   // O += P(j) V(j) (mainloop_fwd.h; without utils.h run_in_own_block ptxas waits for the
   // GEMM first). H200 A/Bs against the softmax after that GEMM, bitwise-identical outputs
-  // (eleventh and twelfth sessions):
+  // (docs/performance.md):
   // - kHalf (the row max and half the rows' exponentials under the GEMM, O's rescale
   //   beside the other half after it, as in the FP8 kernels): hdim 96 +0..+8% (most at
   //   long non-causal), hdim 128 +0..+3%, hdim 192 +0..+3%; at hdim 64 0.93-1.00 (and its
@@ -173,22 +173,22 @@ struct KernelTraits {
   // - so hdim 64 keeps the old order (kNone): with two or three warpgroups in pingpong
   //   the others' GEMMs already fill the tensor cores during a softmax there, and its
   //   tiles' GEMMs are short against their softmax.
-  // (The fifth session had measured 4-14% losses at hdim 64, 128 and 256 with earlier tiles.)
+  // (With earlier tiles it had measured 4-14% losses at hdim 64, 128 and 256.)
   static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
       kHeadDim == 64                     ? SoftmaxUnderPv::kNone
       : kHeadDim == 256 && !kShortSeq_   ? SoftmaxUnderPv::kWhole
                                          : SoftmaxUnderPv::kHalf;
   // The max kept until a tile raises it by more than 2^8 and O's rescale skipped where no
   // row of a warp changed its max (softmax.h). H200 A/B against the exact rescale every
-  // tile (thirteenth session): hdim 96, 128, 192 and 256 +0..+7%, no cell below 1.00;
+  // tile: hdim 96, 128, 192 and 256 +0..+7%, no cell below 1.00;
   // hdim 64 0.94-1.01 non-causal and 0.89-0.96 causal: there O's rescale is 32
   // multiplications per tile (64-128 elsewhere), which the row-max test and the warp vote
   // do not pay for, and the softmax runs after the PV GEMM's wait (kNone) anyway.
   static constexpr bool kLazyRescale = kHeadDim != 64;
   // The row max from the scores' bits with 3-input integer maxima, as a tree (softmax.h,
   // utils.h row_max_bits): half the instructions of the FMNMX chain and a short dependency
-  // path ahead of the exponentials. H200 A/B against the FMNMX chain (sixteenth session,
-  // two calls, three passes each, bitwise-identical outputs): hdim 64 non-causal +3..+5%
+  // path ahead of the exponentials. H200 A/B against the FMNMX chain (two runs,
+  // three passes each, bitwise-identical outputs): hdim 64 non-causal +3..+5%
   // from 2k keys, the short causal kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal
   // kernel (from 4k) -1.5%, hdim 128 causal -1..-3%, hdim 128 non-causal and hdim 256
   // within +-1%: there it stays off. FLASH3_INT_ROW_MAX=0 turns it off everywhere.
@@ -254,8 +254,8 @@ struct KernelTraits {
 #endif
   // kQStages: two Q buffers let the producer load the next tile's Q as soon as it has
   // loaded that tile's first K, one key tile earlier than when Q must wait for the current
-  // tile's last Q K^T. On for the hdim 64 short non-causal kernel (H200 A/B, eighteenth
-  // session: +1.7% at 512 tokens, +3.0% at 1k; the short causal kernel measured -0.7..+0.8%
+  // tile's last Q K^T. On for the hdim 64 short non-causal kernel (H200 A/B, three
+  // passes: +1.7% at 512 tokens, +3.0% at 1k; the short causal kernel measured -0.7..+0.8%
   // and keeps one). Needs room for both Q buffers beside O's own.
   static constexpr int kQStages =
       kHeadDim == 64 && kShortSeq_ && !kIsCausal_ && kTmaStoreO && kPersistent &&
@@ -271,7 +271,7 @@ struct KernelTraits {
   // (warpgroup 0) and last K stage (warpgroup 1), each kBlockN x d, instead of over Q:
   // Q is then released after the last Q K^T as usual, and what waits for the store is the
   // next tile's second K and V, not its Q (its first K and V go to the other stage).
-  // H200 A/B against O over Q (fifteenth session, three passes each, outputs bitwise
+  // H200 A/B against O over Q (three passes each, outputs bitwise
   // identical): non-causal 512 +3.8%; causal 512 +4.0%, 1k +1.9%.
 #ifdef FLASH3_FWD_O_IN_KV_STAGES
   static constexpr bool kOInKVStages = FLASH3_FWD_O_IN_KV_STAGES &&

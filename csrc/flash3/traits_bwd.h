@@ -92,7 +92,7 @@ struct BwdKernelTraits {
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
 
   // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h). hdim 64 stored
-  // them straight from registers until the fifteenth session (its staging code had made
+  // them straight from registers at first (its staging code had made
   // ptxas spill 8 bytes in the loop; with today's kernel and CUDA 13 it spills none):
   // through TMA it measured +1..+7% (0.997 at non-causal 8k; causal 16k +4.0%),
   // deterministic mode -0.6..+8.4% (H200 A/B, three passes each, bitwise-identical
@@ -111,7 +111,7 @@ struct BwdKernelTraits {
   // non-causal 16k) but the pair's stages are refilled only when both CTAs are done with
   // them (and, at hdim 256, both dQ warps have read the dQ written over them), and that
   // coupling costs more than the reads: 0.90-0.97 of the single-CTA kernel at hdim 256,
-  // 0.95-1.00 at hdim 192, deterministic mode 0.75-0.86 (H200, fourteenth session).
+  // 0.95-1.00 at hdim 192, deterministic mode 0.75-0.86 (H200 A/B).
 #ifdef FLASH3_BWD_CLUSTER
   static constexpr int kClusterN = kHeadDim > 128 ? FLASH3_BWD_CLUSTER : 1;
 #else

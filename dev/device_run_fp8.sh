@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the FP8 path: environment, FP8 GPU tests, SASS check,
+# One run on the GPU machine for the FP8 path: environment, FP8 GPU tests, SASS check,
 # accuracy table, FP8 speed grid. Runs from a directory holding flash3/ (with the built
-# _C*.so), tests/, benchmarks/, scripts/; results go to $OUT. Usage:
-#   scripts/device_run_fp8.sh "<pytest args>" "<bench args or skip>"
+# _C*.so), tests/, benchmarks/, scripts/, dev/; results go to $OUT. Usage:
+#   dev/device_run_fp8.sh "<pytest args>" "<bench args or skip>"
 set -uo pipefail
 TEST_ARGS="${1:-}"
 BENCH_ARGS="${2:-}"

@@ -9,7 +9,7 @@ cell, each tree's median TFLOPs/s over its passes, the ratio of every tree to th
 flash3/cuDNN per tree, and whether the trees' outputs are bitwise identical; writes the
 raw passes as JSON.
 
-  python3 scripts/ab_fwd.py --trees base=.,new=.ab/new --cells 64:causal:512,1024 \\
+  python3 dev/ab_fwd.py --trees base=.,new=.ab/new --cells 64:causal:512,1024 \\
       --cells 64:full:512 --passes 3 --out $OUT/ab.json
 
 A tree may carry environment settings for its processes (path:NAME=VALUE:...), so that one

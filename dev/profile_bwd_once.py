@@ -1,7 +1,7 @@
 """One forward + backward of flash3 at (hdim, causal, seqlen) on the paper grid's shape, for ncu:
   ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-skip 1 --launch-count 1 \
       --metrics lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_red.sum,... \
-      python scripts/profile_bwd_once.py 256 0 16384"""
+      python dev/profile_bwd_once.py 256 0 16384"""
 import sys
 sys.path.insert(0, "benchmarks")
 import torch, flash3, bench_attention as B

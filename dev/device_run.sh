@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One full call on the GPU machine: environment facts, GPU tests, SASS check, benchmark.
+# One full run on the GPU machine: environment facts, GPU tests, SASS check, benchmark.
 # Runs from the repository root with the prebuilt flash3/_C*.so carried along; results
-# go to $OUT (the device tool brings them back). Usage:
-#   scripts/device_run.sh "<pytest args>" "<benchmark args>"
+# go to $OUT (copied back to the workstation). Usage:
+#   dev/device_run.sh "<pytest args>" "<benchmark args>"
 set -uo pipefail
 TEST_ARGS="${1:-}"
 BENCH_ARGS="${2:-}"

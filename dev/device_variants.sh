@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B experiments on the GPU machine: builds variants of the extension from the current
 # tree with extra nvcc flags, each into .ab/<name>/flash3, in parallel.
-# Usage: scripts/device_variants.sh "<FLASH3_HDIMS>" name1 "flags1" name2 "flags2" ...
+# Usage: dev/device_variants.sh "<FLASH3_HDIMS>" name1 "flags1" name2 "flags2" ...
 set -uo pipefail
 HDIMS="$1"; shift
 root=$PWD

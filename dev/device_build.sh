@@ -2,7 +2,7 @@
 # Builds flash3._C on the GPU machine (16 cores: the whole kernel set in a few minutes,
 # against a tenth of that pace on a 2-core box). CUTLASS headers come from CUTLASS_DIR
 # (carried, since nothing can be installed there). The built module is left in flash3/
-# and a compressed copy goes to $OUT so later calls can carry it instead of rebuilding.
+# and a compressed copy goes to $OUT so later runs can carry it instead of rebuilding.
 set -euo pipefail
 OUT="${OUT:-/tmp/flash3-out}"
 mkdir -p "$OUT"
