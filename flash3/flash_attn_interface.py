@@ -84,6 +84,8 @@ def _window(fname, window_size, causal, seqlen_q, seqlen_k):
     As in FlashAttention-3 (hopper/flash_api.cpp), a left window of at least seqlen_k - 1
     and a right window of at least seqlen_q - 1 are no window, causal forces the right
     window to 0, and (-1, 0) is the causal mask."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fname}: causal is {type(causal).__name__}; supported: bool")
     try:
         left, right = window_size
     except (TypeError, ValueError):

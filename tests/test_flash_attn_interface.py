@@ -12,7 +12,6 @@ cu_seqlens, head-dim rounding. Tolerance as in test_attention_gpu.py: the max er
 against float64 is at most twice a same-precision PyTorch implementation's, plus a floor.
 """
 import inspect
-import math
 
 import pytest
 import torch
@@ -584,3 +583,9 @@ def test_flash_attn_varlen_func_matches_dense_on_equal_lengths(seed):
     out_pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
     _assert_close_to_reference(out.view_as(q), out_ref, out_pt, dtype)
     _assert_close_to_reference(dense, out_ref, out_pt, dtype)
+
+
+def test_causal_must_be_bool():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"flash_attn_func: causal is str; supported: bool"):
+        flash_attn_func(q, k, v, causal="yes")
