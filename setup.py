@@ -9,9 +9,11 @@ Environment variables:
   MAX_JOBS         parallel compile jobs (ninja); NVCC_THREADS threads per nvcc (default 2)
 
 Build with `pip install --no-build-isolation .` (or `-e .`): the extension compiles
-against the torch already installed.
+against the torch already installed. The project's metadata (name, version from
+flash3/_version.py, dependencies) is in pyproject.toml; this file adds the extension.
 """
 import os
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -118,12 +120,15 @@ def cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+def version():
+    """flash3/_version.py's __version__, read without importing flash3."""
+    text = (ROOT / "flash3" / "_version.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, flags=re.M).group(1)
+
+
 setup(
-    name="flash3",
-    version="0.1.0",
-    description="FlashAttention-3-class fused attention kernels for NVIDIA Hopper",
+    version=version(),
     packages=find_packages(include=["flash3", "flash3.*"]),
-    python_requires=">=3.10",
     ext_modules=[extension()],
     cmdclass=cmdclass(),
 )

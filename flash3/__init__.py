@@ -10,8 +10,16 @@ tensors (fused quantiser with block scales and incoherent processing, then the F
 
 ``flash3.reference`` holds PyTorch references (a float64 softmax(QK^T)V and the kernel's
 blockwise running-softmax loop) that run anywhere.
+
+``flash3.flash_attn_interface`` is FlashAttention-3's Python interface (``flash_attn_func``,
+``flash_attn_varlen_func``, ...) on these kernels: code written for FlashAttention-3 switches
+with ``from flash3.flash_attn_interface import flash_attn_func``.
+
+``flash3.integrations.transformers.register()`` makes flash3 an attention backend of Hugging
+Face transformers (imported on first use; transformers is optional).
 """
-from . import fp8, reference
+from . import flash_attn_interface, fp8, reference
+from ._version import __version__
 from .interface import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEADDIMS,
@@ -22,12 +30,22 @@ from .interface import (
 )
 from .varlen import attention_varlen
 
-__version__ = "0.1.0"
+
+def __getattr__(name):
+    # flash3.integrations is imported on first use only (its modules import optional packages
+    # lazily, but there is no reason to pay for them at `import flash3`).
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module(".integrations", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "attention",
     "attention_varlen",
     "fp8",
+    "flash_attn_interface",
     "build_info",
     "is_supported",
     "reference",

@@ -1,0 +1,428 @@
+"""FlashAttention-3's Python interface on flash3's kernels.
+
+Code written against FlashAttention-3 (``hopper/flash_attn_interface.py``) switches with
+one import line::
+
+    # from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+    from flash3.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+The functions keep FlashAttention-3's names, argument order, defaults and return
+conventions: ``out`` by default, ``(out, softmax_lse)`` with ``return_attn_probs=True``
+(lse float32, ``(batch, nheads, seqlen_q)``, or ``(nheads, total_q)`` for the varlen
+function). Gradients flow through ``out`` and ``softmax_lse``.
+
+What flash3 runs, and what it does not run yet:
+
+* bf16 / fp16, causal or not (bottom-right aligned, as in FlashAttention-3), GQA/MQA,
+  ``deterministic`` backward, variable-length batches (``cu_seqlens``, ``seqused``).
+* Head dims 64, 96, 128, 192, 256 run as they are. Other multiples of 8 up to 256 (e.g.
+  80, 112, 160) are zero-padded to the next of those inside the call; see
+  :func:`flash_attn_func` for the cost.
+* float8_e4m3fn q, k, v (with FlashAttention-3's ``(batch, nheads_k)`` descales) run the
+  FP8 forward of :mod:`flash3.fp8` (head dims 64, 128, 256; others up to 256 padded);
+  fixed-length batches only, no backward (as in FlashAttention-3).
+* ``window_size`` (-1, -1), or (-1, 0) which is causal; a window covering the whole
+  sequence is the same as none, as in FlashAttention-3. Sliding windows otherwise,
+  ``softcap`` other than 0, ``qv``, ``attention_chunk`` other than 0, split-KV
+  (``num_splits`` > 1, :func:`flash_attn_combine`), a V head dim different from Q/K's,
+  and the KV cache (:func:`flash_attn_with_kvcache`, paged KV) raise
+  ``NotImplementedError`` naming the argument, before any other check.
+* ``pack_gqa`` and ``sm_margin`` are tuning hints; flash3 accepts and ignores them
+  (flash3 always reads the shared K/V head in place for GQA, and uses every SM).
+* Descales given with bf16/fp16 inputs are ignored, as FlashAttention-3 ignores them.
+
+Argument errors (types, shapes, devices, kernels left out of the build) are those of
+:func:`flash3.attention` and :func:`flash3.attention_varlen`.
+"""
+from __future__ import annotations
+
+import importlib
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8 as _fp8
+from .interface import SUPPORTED_HEADDIMS, attention as _attention
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "get_scheduler_metadata",
+]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------
+# Argument checks shared by the functions (no tensor is touched here)
+# ----------------------------------------------------------------------------------------
+
+
+def _not_implemented(fname: str, name: str, value, what: str):
+    shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+    raise NotImplementedError(f"{fname}: {name}={shown}: {what} is not implemented in flash3 yet")
+
+
+def _as_int(x, fname, name):
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point():
+        return int(x.item())
+    if isinstance(x, bool):
+        raise TypeError(f"{fname}: {name} is bool; supported: an int")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{fname}: {name} is {type(x).__name__}; supported: an int") from None
+
+
+def _window(fname, window_size, causal, seqlen_q, seqlen_k):
+    """FlashAttention-3's window semantics reduced to what flash3 runs: returns causal.
+
+    As in FlashAttention-3 (hopper/flash_api.cpp), a left window of at least seqlen_k - 1
+    and a right window of at least seqlen_q - 1 are no window, causal forces the right
+    window to 0, and (-1, 0) is the causal mask."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fname}: causal is {type(causal).__name__}; supported: bool")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"{fname}: window_size is {window_size!r}; supported: a pair (left, right)") from None
+    left = _as_int(left, fname, "window_size[0]")
+    right = _as_int(right, fname, "window_size[1]")
+    given = (left, right)
+    if seqlen_k is not None and left >= seqlen_k - 1:
+        left = -1
+    if seqlen_q is not None and right >= seqlen_q - 1:
+        right = -1
+    left = -1 if left < 0 else left
+    right = -1 if right < 0 else right
+    if causal:
+        right = 0
+    if left == -1 and right in (-1, 0):
+        return right == 0
+    _not_implemented(fname, "window_size", given, "sliding window (local) attention")
+
+
+def _check_common(fname, *, qv=None, softcap=0.0, attention_chunk=0, num_splits=1):
+    if qv is not None:
+        _not_implemented(fname, "qv", qv, "the extra qv operand (q k^T + qv v^T scores)")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap != 0):
+        _not_implemented(fname, "softcap", softcap, "softcapping")
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk != 0:
+        _not_implemented(fname, "attention_chunk", attention_chunk, "chunked attention")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits not in (0, 1):
+        _not_implemented(fname, "num_splits", num_splits, "split-KV")
+
+
+def _check_v_headdim(fname, q, k, v):
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and k.shape[-1] == q.shape[-1] != v.shape[-1]:
+        _not_implemented(fname, "v.shape[-1]", v.shape[-1],
+                         f"a V head dim different from the Q/K head dim ({q.shape[-1]})")
+
+
+def _padded_headdim(d: int, supported) -> int:
+    """The head dim flash3 runs for d: d itself if built, else the next supported one for
+    multiples of 8 up to the largest (zero padding); other values are left to the
+    argument checks of the kernel functions."""
+    if d in supported or d <= 0 or d % 8 or d > max(supported):
+        return d
+    return min(s for s in supported if s >= d)
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - t.shape[-1]
+    if pad == 0:
+        return t
+    if t.dtype == _E4M3:  # constant padding is not defined for float8: zero bytes are +0.0
+        return F.pad(t.view(torch.uint8), (0, pad)).view(_E4M3)
+    return F.pad(t, (0, pad))
+
+
+def _is_tensor(*ts):
+    return all(isinstance(t, torch.Tensor) for t in ts)
+
+
+# ----------------------------------------------------------------------------------------
+# Dense (fixed-length) attention
+# ----------------------------------------------------------------------------------------
+
+
+def _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_lse, descales):
+    if not _is_tensor(q, k, v):
+        # flash3.attention reports the wrong argument type
+        return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                          deterministic=deterministic)
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = d ** (-0.5)  # from the caller's head dim, before any padding
+    if q.dtype == _E4M3:
+        dp = _padded_headdim(d, _fp8.SUPPORTED_HEADDIMS)
+        q8, k8, v8 = (_pad_last(t, dp) if t.dtype == _E4M3 else t for t in (q, k, v))
+        q_descale, k_descale, v_descale = descales
+        out, lse = _fp8.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal,
+                                      softmax_scale=softmax_scale, return_lse=True)
+    else:
+        dp = _padded_headdim(d, SUPPORTED_HEADDIMS)
+        if k.shape[-1] == d and v.shape[-1] == d:
+            q, k, v = (_pad_last(t, dp) for t in (q, k, v))
+        else:
+            dp = d
+        out, lse = _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                              deterministic=deterministic)
+    if dp != d:
+        out = out[..., :d].contiguous()
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """FlashAttention-3's ``flash_attn_func`` on flash3: softmax(q k^T * softmax_scale) v.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim), bf16 / fp16 (or float8_e4m3fn, forward
+            only, through :mod:`flash3.fp8`).
+        k, v: (batch_size, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 (GQA/MQA:
+            query heads i * g .. i * g + g - 1 use K/V head i, g = nheads // nheads_k).
+        softmax_scale: defaults to 1 / sqrt(headdim) of the given q.
+        causal: bottom-right aligned causal mask: for seqlen_q = 2, seqlen_k = 5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            A row that sees no key (seqlen_q > seqlen_k) gives 0 and lse -inf.
+        q_descale, k_descale, v_descale: float32 (batch_size, nheads_k) for float8 inputs.
+        window_size: (-1, -1), or (-1, 0) (causal); other windows raise NotImplementedError
+            unless they cover the whole sequence.
+        deterministic: bitwise reproducible backward.
+        return_attn_probs: also return softmax_lse, float32 (batch_size, nheads, seqlen_q)
+            (FlashAttention-3 returns the logsumexp here, not the probabilities).
+        qv, attention_chunk != 0, softcap != 0, num_splits > 1: NotImplementedError.
+        pack_gqa, sm_margin: accepted and ignored.
+
+    Returns:
+        out (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse).
+
+    Head dims: 64, 96, 128, 192, 256 run as they are (64, 128, 256 in float8). Other
+    multiples of 8 up to 256 are zero-padded to the next of those (e.g. 80 -> 96,
+    112 -> 128, 160 -> 192): q, k and v are copied once into padded tensors, the kernel
+    does the work of the padded head dim (80 -> 96 costs about 20% more matmul work), and
+    the output is sliced back and copied to a contiguous tensor; the backward pays the
+    same copies. The softmax scale stays 1/sqrt(original head dim) and the padding is
+    zeros, so the result is the unpadded attention's.
+    """
+    fname = "flash_attn_func"
+    _check_common(fname, qv=qv, softcap=softcap, attention_chunk=attention_chunk, num_splits=num_splits)
+    seqlens = (q.shape[1], k.shape[1]) if _is_tensor(q, k) and q.dim() == 4 and k.dim() == 4 else (None, None)
+    causal = _window(fname, window_size, causal, *seqlens)
+    _check_v_headdim(fname, q, k, v)
+    return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
+                  (q_descale, k_descale, v_descale))
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    deterministic=False,
+    num_heads_q=None,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """FlashAttention-3's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` on q, k, v
+    stacked in one tensor.
+
+    Arguments:
+        qkv: (batch_size, seqlen, 3, nheads, headdim), or (batch_size, seqlen,
+            num_heads_q + 2 * nheads_k, headdim) with ``num_heads_q`` given (GQA: q's heads,
+            then k's, then v's).
+        The other arguments are :func:`flash_attn_func`'s.
+
+    q, k and v are views into qkv (no copy); the gradient comes back as one tensor shaped
+    like qkv. Returns out (batch_size, seqlen, nheads, headdim) or (out, softmax_lse).
+    """
+    fname = "flash_attn_qkvpacked_func"
+    _check_common(fname, softcap=softcap, attention_chunk=attention_chunk)
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{fname}: qkv is {type(qkv).__name__}; supported: a torch.Tensor")
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"{fname}: qkv.shape[2] is {qkv.shape[2]}; supported: 3 (q, k, v)")
+        q, k, v = qkv.unbind(dim=2)
+    elif qkv.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError(f"{fname}: num_heads_q is None; supported: q's head count when qkv is 4-D")
+        num_heads_k, rem = divmod(qkv.shape[2] - num_heads_q, 2)
+        if rem or num_heads_k <= 0:
+            raise ValueError(f"{fname}: qkv.shape[2] is {qkv.shape[2]}; supported: num_heads_q ({num_heads_q}) "
+                             f"+ 2 * nheads_k")
+        q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
+    else:
+        raise ValueError(f"{fname}: qkv.dim() is {qkv.dim()}; supported: 5 (batch, seqlen, 3, nheads, headdim) "
+                         "or 4 with num_heads_q")
+    causal = _window(fname, window_size, causal, qkv.shape[1], qkv.shape[1])
+    return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
+                  (q_descale, k_descale, v_descale))
+
+
+# ----------------------------------------------------------------------------------------
+# Variable-length attention
+# ----------------------------------------------------------------------------------------
+
+
+def _max_seqlen(cu_seqlens, given):
+    if given is not None:
+        return given
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return None
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if cu_seqlens.numel() > 1 else 0
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """FlashAttention-3's ``flash_attn_varlen_func`` on :func:`flash3.attention_varlen`.
+
+    Arguments:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); bf16 / fp16.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,), the sequences' offsets.
+        max_seqlen_q, max_seqlen_k: the longest sequence (int); None computes it from
+            cu_seqlens (one device sync).
+        seqused_q, seqused_k: int32 (batch_size,) or None: tokens of each sequence actually
+            used (the rest of its span in q / k is ignored).
+        causal: bottom-right aligned per sequence.
+        The other arguments are :func:`flash_attn_func`'s (same support; head dims are
+        padded the same way); float8 inputs are not supported here yet.
+
+    Returns:
+        out (total_q, nheads, headdim), or (out, softmax_lse) with softmax_lse float32
+        (nheads, total_q).
+    """
+    fname = "flash_attn_varlen_func"
+    _check_common(fname, qv=qv, softcap=softcap, attention_chunk=attention_chunk, num_splits=num_splits)
+    # FlashAttention-3 clamps windows with the longest sequences (hopper/flash_api.cpp)
+    if max_seqlen_q is not None:
+        max_seqlen_q = _as_int(max_seqlen_q, fname, "max_seqlen_q")
+    if max_seqlen_k is not None:
+        max_seqlen_k = _as_int(max_seqlen_k, fname, "max_seqlen_k")
+    causal = _window(fname, window_size, causal, max_seqlen_q, max_seqlen_k)
+    _check_v_headdim(fname, q, k, v)
+    if isinstance(q, torch.Tensor) and q.dtype == _E4M3:
+        _not_implemented(fname, "q.dtype", q.dtype, "FP8 variable-length attention")
+    attention_varlen = getattr(importlib.import_module(__package__), "attention_varlen", None)
+    if attention_varlen is None:
+        raise NotImplementedError(f"{fname}: this flash3 has no attention_varlen (variable-length attention)")
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q)
+    max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k)
+    d = q.shape[-1] if _is_tensor(q, k, v) else None
+    dp = d
+    if d is not None:
+        if softmax_scale is None:
+            softmax_scale = d ** (-0.5)
+        if k.shape[-1] == d and v.shape[-1] == d:
+            dp = _padded_headdim(d, SUPPORTED_HEADDIMS)
+            q, k, v = (_pad_last(t, dp) for t in (q, k, v))
+    out, lse = attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
+        return_lse=True, deterministic=deterministic,
+    )
+    if dp != d:
+        out = out[..., :d].contiguous()
+    return (out, lse) if return_attn_probs else out
+
+
+# ----------------------------------------------------------------------------------------
+# Not implemented yet: KV cache, split-KV combine, scheduler metadata
+# ----------------------------------------------------------------------------------------
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+):
+    """FlashAttention-3's KV-cache attention (in-place cache append, rotary, paged KV):
+    not implemented in flash3 yet. For decoding with a cache held by the caller, call
+    :func:`flash_attn_func` with the cache's valid keys (causal masks are bottom-right
+    aligned, so a query row sees the whole cache and the keys up to its own position)."""
+    raise NotImplementedError("flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet")
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FlashAttention-3's combine of split-KV partial outputs: not implemented in flash3 yet."""
+    raise NotImplementedError("flash_attn_combine: split-KV (combining partial outputs) is not implemented in flash3 yet")
+
+
+def get_scheduler_metadata(*args, **kwargs):
+    """FlashAttention-3's scheduler metadata for :func:`flash_attn_with_kvcache`: not
+    implemented in flash3 yet (there is no KV-cache function to pass it to)."""
+    raise NotImplementedError("get_scheduler_metadata: the KV cache is not implemented in flash3 yet")

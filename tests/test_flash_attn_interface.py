@@ -1,0 +1,591 @@
+"""Tests of flash3.flash_attn_interface, FlashAttention-3's Python interface on flash3.
+
+CPU tests (run everywhere): the signatures against FlashAttention-3's, NotImplementedError
+for what flash3 does not run yet (reported before any type or device check), and the
+wrapper's own work (return conventions, head-dim padding with its gradients, the
+variable-length call) with the kernels replaced by the float64 reference.
+
+GPU tests (Hopper): the functions exercised the way FlashAttention-3's own tests
+(hopper/test_flash_attn.py) exercise them, against flash3.reference: shapes, bf16/fp16,
+GQA, causal, return conventions, gradients, variable-length batches with random
+cu_seqlens, head-dim rounding. Tolerance as in test_attention_gpu.py: the max error
+against float64 is at most twice a same-precision PyTorch implementation's, plus a floor.
+"""
+import inspect
+
+import pytest
+import torch
+
+import flash3
+from flash3 import flash_attn_interface as fai
+from flash3.flash_attn_interface import (
+    flash_attn_combine,
+    flash_attn_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    get_scheduler_metadata,
+)
+from flash3.reference import attention_ref
+
+has_varlen = hasattr(flash3, "attention_varlen")
+needs_varlen = pytest.mark.skipif(not has_varlen, reason="flash3.attention_varlen is not in this flash3")
+
+
+def _qkv(b=2, sq=17, sk=33, h=4, hk=2, d=64, dtype=torch.bfloat16, device="cpu", seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(b, s, n, d, generator=g).to(device=device, dtype=dtype) for s, n in ((sq, h), (sk, hk), (sk, hk))]
+    return [t.requires_grad_(requires_grad) for t in ts]
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: signatures
+# ----------------------------------------------------------------------------------------
+
+# FlashAttention-3's parameters and defaults (hopper/flash_attn_interface.py).
+FA3_SIGNATURES = {
+    "flash_attn_func": [
+        ("q", None), ("k", None), ("v", None), ("softmax_scale", None), ("causal", False), ("qv", None),
+        ("q_descale", None), ("k_descale", None), ("v_descale", None), ("window_size", (-1, -1)),
+        ("attention_chunk", 0), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None),
+        ("deterministic", False), ("sm_margin", 0), ("return_attn_probs", False),
+    ],
+    "flash_attn_varlen_func": [
+        ("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
+        ("max_seqlen_q", None), ("max_seqlen_k", None), ("seqused_q", None), ("seqused_k", None),
+        ("softmax_scale", None), ("causal", False), ("qv", None), ("q_descale", None), ("k_descale", None),
+        ("v_descale", None), ("window_size", (-1, -1)), ("attention_chunk", 0), ("softcap", 0.0),
+        ("num_splits", 1), ("pack_gqa", None), ("deterministic", False), ("sm_margin", 0),
+        ("return_attn_probs", False),
+    ],
+    "flash_attn_qkvpacked_func": [
+        ("qkv", None), ("softmax_scale", None), ("causal", False), ("q_descale", None), ("k_descale", None),
+        ("v_descale", None), ("window_size", (-1, -1)), ("attention_chunk", 0), ("softcap", 0.0),
+        ("deterministic", False), ("num_heads_q", None), ("sm_margin", 0), ("return_attn_probs", False),
+    ],
+    "flash_attn_combine": [("out_partial", None), ("lse_partial", None), ("out", None), ("out_dtype", None)],
+}
+REQUIRED = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "qkv",
+            "out_partial", "lse_partial", "k_cache", "v_cache"}
+
+
+@pytest.mark.parametrize("name", sorted(FA3_SIGNATURES))
+def test_signature_matches_flash_attention_3(name):
+    params = list(inspect.signature(getattr(fai, name)).parameters.values())
+    assert [p.name for p in params] == [n for n, _ in FA3_SIGNATURES[name]]
+    for p, (n, default) in zip(params, FA3_SIGNATURES[name]):
+        assert p.kind == p.POSITIONAL_OR_KEYWORD, n
+        if n in REQUIRED:
+            assert p.default is p.empty, n
+        else:
+            assert p.default == default, n
+
+
+def test_kvcache_signature_matches_flash_attention_3():
+    names = list(inspect.signature(flash_attn_with_kvcache).parameters)
+    assert names == [
+        "q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_seqlens",
+        "cache_batch_idx", "cache_leftpad", "page_table", "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q",
+        "rotary_seqlens", "q_descale", "k_descale", "v_descale", "softmax_scale", "causal", "window_size",
+        "attention_chunk", "softcap", "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa",
+        "sm_margin", "return_softmax_lse",
+    ]
+    assert inspect.signature(flash_attn_with_kvcache).parameters["num_splits"].default == 0
+
+
+def test_package_exports_the_interface():
+    assert flash3.flash_attn_interface is fai
+    assert "flash_attn_interface" in flash3.__all__
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: NotImplementedError, before any other check
+# ----------------------------------------------------------------------------------------
+
+UNSUPPORTED = [
+    (dict(window_size=(4, 4)), r"window_size=\(4, 4\): sliding window"),
+    (dict(window_size=(4, -1)), r"window_size=\(4, -1\): sliding window"),
+    (dict(window_size=(-1, 4)), r"window_size=\(-1, 4\): sliding window"),
+    (dict(window_size=torch.tensor([3, 0])), r"window_size=\(3, 0\): sliding window"),
+    (dict(causal=True, window_size=(8, 0)), r"window_size=\(8, 0\): sliding window"),
+    (dict(softcap=30.0), r"softcap=30\.0: softcapping"),
+    (dict(attention_chunk=8), r"attention_chunk=8: chunked attention"),
+    (dict(num_splits=3), r"num_splits=3: split-KV"),
+    (dict(qv="QV"), r"qv=.*: the extra qv operand"),
+]
+UNSUPPORTED_IDS = ["window44", "window-left", "window-right", "window-tensor", "causal-window", "softcap", "chunk",
+                   "num_splits", "qv"]
+
+
+def _resolve(kwargs, q):
+    return {key: (torch.zeros_like(q) if val == "QV" else val) for key, val in kwargs.items()}
+
+
+@pytest.mark.parametrize("kwargs, pattern", UNSUPPORTED, ids=UNSUPPORTED_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_func_unsupported_arguments_raise_first(kwargs, pattern, dtype):
+    # CPU tensors (and float32, which flash3 does not take): the unsupported argument is
+    # what gets reported, not the device or the dtype.
+    q, k, v = _qkv(dtype=dtype)
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_func: " + pattern + ".* not implemented in flash3 yet"):
+        flash_attn_func(q, k, v, **_resolve(kwargs, q))
+
+
+@pytest.mark.parametrize("kwargs, pattern", UNSUPPORTED, ids=UNSUPPORTED_IDS)
+def test_varlen_unsupported_arguments_raise_first(kwargs, pattern):
+    q, k, v = (t[0] for t in _qkv())
+    cu_q = torch.tensor([0, 5, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 33], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_varlen_func: " + pattern):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 20, **_resolve(kwargs, q))
+
+
+@pytest.mark.parametrize("kwargs, pattern", [u for u in UNSUPPORTED if "qv" not in u[0] and "num_splits" not in u[0]])
+def test_qkvpacked_unsupported_arguments_raise_first(kwargs, pattern):
+    qkv = torch.randn(2, 33, 3, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_qkvpacked_func: " + pattern):
+        flash_attn_qkvpacked_func(qkv, **kwargs)
+
+
+def test_different_v_headdim_not_implemented():
+    q, k, v = _qkv(d=128)
+    with pytest.raises(NotImplementedError, match=r"v\.shape\[-1\]=64: a V head dim different from the Q/K head dim \(128\)"):
+        flash_attn_func(q, k, v[..., :64])
+
+
+def test_fp8_varlen_not_implemented():
+    q, k, v = (t[0].to(torch.float8_e4m3fn) for t in _qkv())
+    cu = torch.tensor([0, 17], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="FP8 variable-length attention"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 17, 17)
+
+
+def test_kvcache_combine_scheduler_not_implemented():
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet$"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="^flash_attn_combine: split-KV"):
+        flash_attn_combine(torch.zeros(2, 1, 4, 64), torch.zeros(2, 1, 4))
+    with pytest.raises(NotImplementedError, match="^get_scheduler_metadata: the KV cache"):
+        get_scheduler_metadata(2, 1, 128, 4, 2, 64, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(window_size=(-1, -1)), dict(window_size=[-1, 0]), dict(causal=True, window_size=(-1, 0)),
+    dict(window_size=(32, 16)), dict(window_size=(100, 100)), dict(causal=True, window_size=(-1, 7)),
+    dict(num_splits=0), dict(pack_gqa=True), dict(sm_margin=8), dict(softcap=0), dict(attention_chunk=0),
+], ids=["default", "no-window", "causal-window", "causal+window", "window-covers-all", "window-beyond", "causal-right",
+        "num_splits0", "pack_gqa", "sm_margin", "softcap0", "chunk0"])
+def test_supported_arguments_reach_the_device_check(kwargs):
+    # (32, 16) covers the whole 17 x 33 score matrix: no window, as in FlashAttention-3.
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"flash3\.attention: q\.device is cpu"):
+        flash_attn_func(q, k, v, **kwargs)
+
+
+def test_varlen_without_attention_varlen_says_so(monkeypatch):
+    monkeypatch.delattr(flash3, "attention_varlen", raising=False)
+    q, k, v = (t[0] for t in _qkv())
+    cu = torch.tensor([0, 17], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="no attention_varlen"):
+        flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 33], dtype=torch.int32), 17, 33)
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: the wrapper's work, with the kernels replaced by the float64 reference
+# ----------------------------------------------------------------------------------------
+
+
+def _reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+    """flash3.attention's contract on CPU: only built head dims, output in q's dtype."""
+    assert q.shape[-1] in flash3.SUPPORTED_HEADDIMS, q.shape
+    out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
+    out = out.to(q.dtype).contiguous()
+    return (out, lse) if return_lse else out
+
+
+def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
+                      seqused_k=None, causal=False, softmax_scale=None, return_lse=False, deterministic=False,
+                      validate=False):
+    assert q.shape[-1] in flash3.SUPPORTED_HEADDIMS, q.shape
+    assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for i in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        if seqused_q is not None:
+            q1 = q0 + int(seqused_q[i])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[i])
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
+                             softmax_scale=softmax_scale, upcast=True)
+        out[q0:q1] = o[0].to(q.dtype)
+        lse[:, q0:q1] = l[0]
+    return (out, lse) if return_lse else out
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    monkeypatch.setattr(fai, "_attention", _reference_attention)
+    monkeypatch.setattr(flash3, "attention_varlen", _reference_varlen, raising=False)
+
+
+@pytest.mark.parametrize("d", [64, 80, 112, 160, 40, 248])
+@pytest.mark.parametrize("causal", [False, True])
+def test_func_return_conventions_and_headdim_padding_cpu(cpu_kernels, d, causal):
+    q, k, v = _qkv(d=d, dtype=torch.float64, requires_grad=True)
+    out = flash_attn_func(q, k, v, causal=causal)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.is_contiguous()
+    out2, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)  # scale 1/sqrt(d) of the unpadded head dim
+    assert lse.shape == (2, 4, 17) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out2, out_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-6)
+    # gradients flow back through the zero padding, shaped like the inputs
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum() + lse.sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((out_ref * dout).sum() + lse_ref.sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.shape == g_ref.shape
+        torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_softmax_scale_is_kept_with_padding_cpu(cpu_kernels):
+    q, k, v = _qkv(d=80, dtype=torch.float64)
+    out = flash_attn_func(q, k, v, softmax_scale=0.3)
+    torch.testing.assert_close(out, attention_ref(q, k, v, softmax_scale=0.3)[0])
+
+
+def test_window_minus_one_zero_is_causal_cpu(cpu_kernels):
+    q, k, v = _qkv(dtype=torch.float64)
+    causal = flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=(-1, 0)), causal, rtol=0, atol=0)
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=(32, 16)), flash_attn_func(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("packed", ["5d", "4d-gqa"])
+def test_qkvpacked_cpu(cpu_kernels, packed):
+    g = torch.Generator().manual_seed(1)
+    if packed == "5d":
+        qkv = torch.randn(2, 19, 3, 4, 80, generator=g, dtype=torch.float64, requires_grad=True)
+        q, k, v = qkv.unbind(2)
+        out = flash_attn_qkvpacked_func(qkv, causal=True)
+    else:
+        qkv = torch.randn(2, 19, 4 + 2 * 2, 64, generator=g, dtype=torch.float64, requires_grad=True)
+        q, k, v = qkv.split([4, 2, 2], dim=2)
+        out = flash_attn_qkvpacked_func(qkv, causal=True, num_heads_q=4)
+    out_ref, _ = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, out_ref)
+    (dqkv,) = torch.autograd.grad(out.sum(), qkv)
+    (dqkv_ref,) = torch.autograd.grad(out_ref.sum(), qkv)
+    assert dqkv.shape == qkv.shape
+    torch.testing.assert_close(dqkv, dqkv_ref)
+
+
+def _random_cu_seqlens(g, batch, max_len, min_len=0):
+    lengths = torch.randint(min_len, max_len + 1, (batch,), generator=g)
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32), int(lengths.max())
+
+
+@pytest.mark.parametrize("d", [64, 112])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_calls_attention_varlen_cpu(cpu_kernels, d, causal):
+    g = torch.Generator().manual_seed(d + causal)
+    cu_q, max_q = _random_cu_seqlens(g, 3, 20, 1)
+    cu_k, max_k = _random_cu_seqlens(g, 3, 30, 1)
+    q = torch.randn(int(cu_q[-1]), 4, d, generator=g, dtype=torch.float64)
+    k = torch.randn(int(cu_k[-1]), 2, d, generator=g, dtype=torch.float64)
+    v = torch.randn(int(cu_k[-1]), 2, d, generator=g, dtype=torch.float64)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    out2, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, None, None, causal=causal, return_attn_probs=True)
+    assert lse.shape == (4, q.shape[0])
+    for i in range(3):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        o_ref, l_ref = attention_ref(q[None, qs], k[None, ks], v[None, ks], causal=causal)
+        torch.testing.assert_close(out[qs], o_ref[0])
+        torch.testing.assert_close(out2[qs], o_ref[0])
+        torch.testing.assert_close(lse[:, qs], l_ref[0])
+
+
+# ----------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------
+
+
+def _built(kind, dtype, d, causal):
+    return flash3.is_supported(kind, dtype, d, causal)
+
+
+def _skip_unless_built(dtype, d, causal, backward=False):
+    dp = fai._padded_headdim(d, flash3.SUPPORTED_HEADDIMS)
+    for kind in ("fwd", "bwd") if backward else ("fwd",):
+        if not _built(kind, dtype, dp, causal):
+            pytest.skip(f"{kind} {dtype} hdim{dp} causal={causal} not in this build")
+
+
+def _cuda_qkv(seed, b, sq, sk, h, hk, d, dtype, requires_grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+    return [torch.randn(s, device="cuda", dtype=dtype, generator=g).requires_grad_(requires_grad) for s in shapes]
+
+
+def _assert_close_to_reference(out, out_ref, out_pt, dtype, what="out", factor=2.0):
+    assert not torch.isnan(out).any(), f"{what} has NaN"
+    err = (out.double() - out_ref.double()).abs().max().item()
+    err_pt = (out_pt.double() - out_ref.double()).abs().max().item()
+    floor = torch.finfo(dtype).eps * max(out_ref.abs().max().item(), 1e-3)
+    assert err <= factor * err_pt + floor, f"{what}: max error {err:.3e} > {factor} * {err_pt:.3e} + {floor:.1e}"
+
+
+GPU_SHAPES = [(1, 1), (113, 203), (128, 128), (239, 97), (1024, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens", GPU_SHAPES, ids=[f"{a}x{b}" for a, b in GPU_SHAPES])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_attn_func_output(seed, dtype, d, causal, heads, seqlens):
+    _skip_unless_built(dtype, d, causal)
+    (sq, sk), (h, hk) = seqlens, heads
+    q, k, v = _cuda_qkv(seed, 2, sq, sk, h, hk, d, dtype)
+    out = flash_attn_func(q, k, v, causal=causal)
+    assert isinstance(out, torch.Tensor), "FlashAttention-3 returns out alone by default"
+    assert out.shape == q.shape and out.dtype == dtype
+    out2, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert lse.shape == (2, h, sq) and lse.dtype == torch.float32
+    assert torch.equal(out, out2)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    _assert_close_to_reference(out, out_ref, out_pt, dtype)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() <= 1e-3
+
+
+def _grads_check(q, k, v, out, lse, out_fn_ref, dtype, factor=3.0):
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v), retain_graph=True)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out_ref = out_fn_ref(qd, kd, vd, True)
+    grads_ref = torch.autograd.grad((out_ref * dout.double()).sum(), (qd, kd, vd))
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out_pt = out_fn_ref(ql, kl, vl, False)
+    grads_pt = torch.autograd.grad((out_pt * dout).sum(), (ql, kl, vl))
+    for name, g, g_ref, g_pt in zip("qkv", grads, grads_ref, grads_pt):
+        assert g.shape == g_ref.shape
+        _assert_close_to_reference(g, g_ref, g_pt, dtype, what=f"d{name}", factor=factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_attn_func_gradients(seed, dtype, d, causal, heads):
+    _skip_unless_built(dtype, d, causal, backward=True)
+    h, hk = heads
+    q, k, v = _cuda_qkv(seed, 2, 239, 307, h, hk, d, dtype, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+
+    def ref(q_, k_, v_, upcast):
+        o, _ = attention_ref(q_, k_, v_, causal=causal, upcast=upcast)
+        return o
+
+    _grads_check(q, k, v, out, lse, ref, dtype)
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_gradient_through_lse(seed):
+    _skip_unless_built(torch.bfloat16, 64, True, backward=True)
+    q, k, v = _cuda_qkv(seed, 2, 129, 257, 4, 2, 64, torch.bfloat16, requires_grad=True)
+    _, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad(lse.sum(), (q, k, v))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    _, lse_ref = attention_ref(qd, kd, vd, causal=True)
+    # lse_ref is float32 from a float64 computation: differentiate the float64 logsumexp instead
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(2, dim=2)) / 8.0
+    mask = flash3.reference.causal_mask(129, 257, device="cuda")
+    lse64 = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    grads_ref = torch.autograd.grad(lse64.sum(), (qd, kd, vd))
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g.double() - g_ref).abs().max().item() <= 2e-2 * max(g_ref.abs().max().item(), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [40, 80, 112, 160, 200])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_rounds_head_dims_up(seed, d, causal):
+    dtype = torch.bfloat16
+    _skip_unless_built(dtype, d, causal, backward=True)
+    q, k, v = _cuda_qkv(seed, 2, 193, 257, 4, 2, d, dtype, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and out.is_contiguous()
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)  # 1/sqrt(d) of the unpadded head dim
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    _assert_close_to_reference(out, out_ref, out_pt, dtype)
+    assert (lse - lse_ref).abs().max().item() <= 1e-3
+
+    def ref(q_, k_, v_, upcast):
+        return attention_ref(q_, k_, v_, causal=causal, upcast=upcast)[0]
+
+    _grads_check(q, k, v, out, lse, ref, dtype)
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_matches_flash3_attention_bitwise(seed):
+    _skip_unless_built(torch.bfloat16, 128, True)
+    q, k, v = _cuda_qkv(seed, 2, 300, 500, 8, 2, 128, torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=0.1, return_attn_probs=True)
+    out3, lse3 = flash3.attention(q, k, v, causal=True, softmax_scale=0.1, return_lse=True)
+    assert torch.equal(out, out3) and torch.equal(lse, lse3)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, 0)), flash3.attention(q, k, v, causal=True))
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_deterministic(seed):
+    _skip_unless_built(torch.bfloat16, 64, False, backward=True)
+    q, k, v = _cuda_qkv(seed, 2, 1000, 1000, 4, 4, 64, torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, deterministic=True)
+        runs.append(torch.autograd.grad((out * dout).sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["5d", "4d-gqa"])
+def test_flash_attn_qkvpacked_func(seed, layout):
+    dtype = torch.bfloat16
+    _skip_unless_built(dtype, 64, True, backward=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout == "5d":
+        qkv = torch.randn(2, 257, 3, 4, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        out, lse = flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+        q, k, v = qkv.unbind(2)
+    else:
+        qkv = torch.randn(2, 257, 8, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        out, lse = flash_attn_qkvpacked_func(qkv, causal=True, num_heads_q=4, return_attn_probs=True)
+        q, k, v = qkv.split([4, 2, 2], dim=2)
+    out_ref, out_f = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out, out_ref) and torch.equal(lse, out_f)
+    (dqkv,) = torch.autograd.grad(out.sum(), qkv)
+    assert dqkv.shape == qkv.shape and torch.isfinite(dqkv).all()
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_fp8_routes_to_flash3_fp8(seed):
+    if not flash3.fp8.is_supported(128, True):
+        pytest.skip("FP8 hdim 128 causal not in this build")
+    q, k, v = _cuda_qkv(seed, 2, 300, 400, 4, 2, 128, torch.bfloat16)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q_descale, k_descale, v_descale = (torch.rand(2, 2, device="cuda", generator=g) + 0.5 for _ in range(3))
+    out, lse = flash_attn_func(q8, k8, v8, causal=True, q_descale=q_descale, k_descale=k_descale,
+                               v_descale=v_descale, return_attn_probs=True)
+    out8, lse8 = flash3.fp8.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 300)
+    assert torch.equal(out, out8) and torch.equal(lse, lse8)
+
+
+def _varlen_inputs(seed, batch, max_q, max_k, h, hk, d, dtype, zero_lengths=False):
+    g = torch.Generator().manual_seed(seed)
+    cu_q, mq = _random_cu_seqlens(g, batch, max_q, 1)
+    cu_k, mk = _random_cu_seqlens(g, batch, max_k, 0 if zero_lengths else 1)
+    gc = torch.Generator(device="cuda").manual_seed(seed)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(tq, h, d, device="cuda", dtype=dtype, generator=gc)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=gc)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=gc)
+    return q, k, v, cu_q.cuda(), cu_k.cuda(), mq, mk
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, causal, upcast, seqused_q=None, seqused_k=None):
+    out = torch.zeros(q.shape, dtype=torch.float64 if upcast else q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for i in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if seqused_q is not None:
+            q1 = q0 + int(seqused_q[i])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[i])
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, upcast=upcast)
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 80])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_attn_varlen_func(seed, dtype, d, causal, heads):
+    _skip_unless_built(dtype, d, causal, backward=True)
+    h, hk = heads
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(seed, 5, 300, 400, h, hk, d, dtype, zero_lengths=not causal)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    out2, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_attn_probs=True)
+    assert lse.shape == (h, q.shape[0]) and lse.dtype == torch.float32
+    assert torch.equal(out, out2)
+    out_ref, lse_ref = _varlen_reference(q, k, v, cu_q, cu_k, causal, True)
+    out_pt, _ = _varlen_reference(q, k, v, cu_q, cu_k, causal, False)
+    _assert_close_to_reference(out, out_ref, out_pt, dtype)
+    finite = torch.isfinite(lse_ref)
+    assert (lse[finite] - lse_ref[finite]).abs().max().item() <= 1e-3
+
+    def ref(q_, k_, v_, upcast):
+        return _varlen_reference(q_, k_, v_, cu_q, cu_k, causal, upcast)[0]
+
+    _grads_check(q, k, v, out, lse, ref, dtype)
+
+
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_varlen_func_seqused(seed, causal):
+    dtype = torch.bfloat16
+    _skip_unless_built(dtype, 64, causal)
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(seed, 4, 200, 300, 4, 2, 64, dtype)
+    g = torch.Generator().manual_seed(seed)
+    lengths_q, lengths_k = ((cu[1:] - cu[:-1]).cpu() for cu in (cu_q, cu_k))
+    seqused_q = (torch.rand(4, generator=g) * (lengths_q + 1)).floor().clamp(max=lengths_q).to(torch.int32)
+    seqused_k = (torch.rand(4, generator=g) * (lengths_k + 1)).floor().clamp(max=lengths_k).to(torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, seqused_q=seqused_q.cuda(), seqused_k=seqused_k.cuda(),
+                                 causal=causal)
+    out_ref, _ = _varlen_reference(q, k, v, cu_q, cu_k, causal, True, seqused_q, seqused_k)
+    out_pt, _ = _varlen_reference(q, k, v, cu_q, cu_k, causal, False, seqused_q, seqused_k)
+    used = torch.zeros(q.shape[0], dtype=torch.bool)
+    for i in range(4):
+        used[int(cu_q[i]): int(cu_q[i]) + int(seqused_q[i])] = True
+    _assert_close_to_reference(out[used.cuda()], out_ref[used.cuda()], out_pt[used.cuda()], dtype)
+
+
+@pytest.mark.gpu
+@needs_varlen
+def test_flash_attn_varlen_func_matches_dense_on_equal_lengths(seed):
+    dtype = torch.bfloat16
+    _skip_unless_built(dtype, 128, True)
+    q, k, v = _cuda_qkv(seed, 3, 200, 200, 4, 2, 128, dtype)
+    cu = torch.arange(0, 601, 200, dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 200, 200, causal=True)
+    dense = flash_attn_func(q, k, v, causal=True)
+    out_ref, _ = attention_ref(q, k, v, causal=True)
+    out_pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    _assert_close_to_reference(out.view_as(q), out_ref, out_pt, dtype)
+    _assert_close_to_reference(dense, out_ref, out_pt, dtype)
+
+
+def test_causal_must_be_bool():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"flash_attn_func: causal is str; supported: bool"):
+        flash_attn_func(q, k, v, causal="yes")
