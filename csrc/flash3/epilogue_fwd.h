@@ -241,7 +241,9 @@ struct EpilogueFwdTma {
     constexpr int kChunksPerRow = kHeadDim / kVec;
     Element* o_tile = Direct::o_rows(params.direct, head, seq);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-    CUTE_UNROLL
+    // Not unrolled: this is the rare path, and its addresses would otherwise be held in
+    // registers all at once.
+    CUTLASS_PRAGMA_NO_UNROLL
     for (int chunk = lane; chunk < kRowsPerWarp * kChunksPerRow; chunk += cutlass::NumThreadsPerWarp) {
       int const r = chunk / kChunksPerRow;
       int const col = chunk % kChunksPerRow * kVec;
