@@ -26,10 +26,10 @@ using namespace cute;
 //   hdim 128: 16 KB + 2 * 3 * 16 KB = 112 KB
 //   hdim 256: 32 KB + 2 * 3 * 32 KB = 224 KB
 // Registers per consumer thread: O kHeadDim / 2, S kBlockN / 2, P kBlockN / 8.
-// kBlockNOverride (0: default) picks another key tile for A/B runs (launch_fwd_fp8.h).
-// hdim 256 uses 128-key tiles (H200 A/B, session 6): +20..+24% non-causal and +6..+23%
-// causal over 64-key tiles once the V transpose became cheap (session 5 measured the
-// opposite, 1-4% for 64, with the old transposer). They need all 240 registers per
+// kBlockNOverride (0: default) picks another key tile (the hdim 128 192-key kernels;
+// launch_fwd_fp8.h, dispatch_fp8.cu).
+// hdim 256 uses 128-key tiles (H200 A/B): +20..+24% non-causal and +6..+23% causal over
+// 64-key tiles once the V transpose became cheap. They need all 240 registers per
 // consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 // kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
@@ -41,31 +41,31 @@ using namespace cute;
 // (+4..+13% at 512-2k; its loop keeps 2 + 2 local-memory instructions, check_sass.py),
 // while from 8k keys the one-CTA-per-tile kernel measured 1.5-2.3% faster. Persistent causal kernels
 // measured +4..+24% below 8k keys but 13-40% slower at 8-16k, where the static stride over
-// unequal tiles loses to the hardware's dynamic assignment (H200 A/B, session 6).
+// unequal tiles loses to the hardware's dynamic assignment (H200 A/B).
 // kWarpgroupsOverride (0: default) gives a kernel another number of consumer warpgroups:
 // the hdim 64 short causal kernel for up to 1k keys has two (below).
 template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false, int kWarpgroupsOverride = 0>
 struct TileConfigFp8 {
   // hdim 64: three consumer warpgroups (192-row tiles), as in the 16-bit hdim 64 kernel:
   // its GEMMs are the cheapest per softmax row, so a warpgroup's softmax needs two
-  // others' GEMMs to hide behind. +7..+23% over two on the grid (H200 A/B, session 6),
+  // others' GEMMs to hide behind. +7..+23% over two on the grid (H200 A/B),
   // except causal 512-1k (within 3%).
   // The persistent short causal kernels at hdim 64 (kShortSeq) come with three and with
   // two (128-row tiles): at 512 and 1k keys, 192-row tiles leave a third of the last
   // tile empty (512 = 2 x 192 + 128) and give the persistent CTAs fewer, unequal tiles to
-  // share; H200 A/B (twentieth session, three passes each, bitwise-identical outputs),
+  // share; H200 A/B (three passes each, bitwise-identical outputs),
   // against the one-CTA-per-tile kernel: two warpgroups +42 / +33% at 512 / 1k, +8 / +1 /
   // -7% at 2k / 4k / 8k; three +24 / +18% at 512 / 1k, +11 / +8 / +5% at 2k / 4k / 8k;
   // at 16k keys both lose (-13% / -9%) to one CTA per tile (dispatch_fp8.cu).
   static constexpr int kConsumerWarpgroups = kWarpgroupsOverride ? kWarpgroupsOverride : kHeadDim == 64 ? 3 : 2;
   static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : 128;
-  // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run,
-  // session 5): the loads are not what the tile waits for.
+  // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run):
+  // the loads are not what the tile waits for.
   static constexpr int kStages = 2;
   static constexpr bool kPersistent = (!kIsCausal && kHeadDim <= 128) || kShortSeq;
   // hdim 64 non-causal (the cheapest GEMMs, so the softmax's own latency is the tile):
   // no pingpong and the row max / sum split into four independent chains; together
-  // +10..+14% on all six hdim 64 non-causal cells of the grid (H200 A/B, session 5).
+  // +10..+14% on all six hdim 64 non-causal cells of the grid (H200 A/B).
   // Alone, no pingpong gave +4..+13% at 512-2k and -1% from 8k there, but cost 1-3% at
   // causal hdim 64 and moved causal hdim 128 by -4..+7%; the split chains gave +7% from
   // 2k there but cost 3-7% at hdim 256 and at causal hdim 64.
@@ -94,18 +94,18 @@ struct KernelTraitsFp8 {
   static constexpr bool kSplitChains = Config::kSplitChains;
   // The row max and half the exponentials of key tile j + 1 run under the warpgroup's own
   // O += P(j) V(j), O's rescale beside the other half after it (mainloop_fwd_fp8.h). H200
-  // A/B against the softmax after that GEMM (eleventh session): hdim 128 +3..+6% at
+  // A/B against the softmax after that GEMM: hdim 128 +3..+6% at
   // 8k-16k keys (the 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k;
   // hdim 64 causal +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal.
   // So: hdim 64 causal, and the hdim 128 kernels without kShortSeq (non-causal below 1152
   // keys, causal above 8k; the kShortSeq ones, causal up to 8k and non-causal from 1152,
   // keep the old order: with kLaneScales, below, they measured faster at 8k-32k too,
-  // twentieth session, dispatch_fp8.cu).
+  // dispatch_fp8.cu).
   static constexpr bool kSoftmaxUnderPv = (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_);
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
   // The max kept until a tile raises it by more than 2^0.75 and O's rescale skipped where
   // no row of a warp changed its max (fp8.h). H200 A/B against the exact rescale every
-  // tile (thirteenth session): +2..+4% in the hdim 128 kernels with 192-key tiles and the
+  // tile: +2..+4% in the hdim 128 kernels with 192-key tiles and the
   // softmax under the PV GEMM (non-causal from 8k keys, causal above 8k), 3-4% slower in
   // the kShortSeq ones (2k-8k), the 128-key ones (-3% at 512) and at hdim 64 (-6%
   // non-causal, -2..0% causal); hdim 256 causal +1..+6%, non-causal -3..+1%, but one
@@ -116,20 +116,18 @@ struct KernelTraitsFp8 {
   // A key tile over several scale groups (hdim 128, 192-key tiles: three groups of 64
   // keys) works out each group's scales on a lane of its own and shuffles them to the
   // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
-  // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (seventeenth
-  // session, three passes each, bitwise-identical outputs): the kShortSeq kernels (the
+  // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (three passes each,
+  // bitwise-identical outputs): the kShortSeq kernels (the
   // softmax after the PV GEMM) +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
   // causal; those with the softmax under the PV GEMM -2.0..-2.6% (8k, 16k): off there.
   static constexpr bool kLaneScales = !kSoftmaxUnderPv;
   // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
-  // FMNMX chains (sixteenth session, two calls, three passes each, bitwise-identical
-  // outputs): hdim 64 non-causal +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k
-  // keys (both masks); hdim 64 causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at
-  // 512, hdim 256 non-causal -1% with more spills, hdim 256 causal +1..+3% but 29-32
-  // local-memory instructions, over check_sass.py's bound: there it stays off.
-  // FLASH3_INT_ROW_MAX=0 turns it off everywhere.
-  static constexpr bool kIntRowMax =
-      FLASH3_INT_ROW_MAX && ((kHeadDim == 64 && !kIsCausal_) || (kHeadDim == 128 && kBlockN == 192));
+  // FMNMX chains (three passes each, bitwise-identical outputs): hdim 64 non-causal
+  // +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k keys (both masks); hdim 64
+  // causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at 512, hdim 256 non-causal -1%
+  // with more spills, hdim 256 causal +1..+3% but 29-32 local-memory instructions, over
+  // check_sass.py's bound: there it stays off.
+  static constexpr bool kIntRowMax = (kHeadDim == 64 && !kIsCausal_) || (kHeadDim == 128 && kBlockN == 192);
 
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
   // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
@@ -146,7 +144,7 @@ struct KernelTraitsFp8 {
   // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, fp8.h), the
   // non-causal hdim 256 kernel holds all it needs in its registers (ptxas: no spills;
   // 22 local-memory instructions before) and the causal ones' 26 fall to 13 and 9.
-  // Outputs bitwise identical; H200 A/B (seventeenth session): hdim 256 +0.0..+1.8%.
+  // Outputs bitwise identical; H200 A/B: hdim 256 +0.0..+1.8%.
   // One offset cost the hdim 64 non-causal kernel 2-3% (ptxas's schedule), so the other
   // head dims keep two.
   static constexpr bool kPingpongIdsFromThreadIdx = kHeadDim == 256;
@@ -192,32 +190,24 @@ struct KernelTraitsFp8 {
   // (EpilogueFwdTma, epilogue_fwd.h) rather than straight from registers: the consumers
   // hand the rows over in a few STSM and go on to the next tile, and the global writes
   // are whole lines. Shared memory has room at hdim <= 128 (24-32 KB beside 60-112 KB).
-  // H200 A/B against direct stores (fifteenth session, three passes each, outputs
-  // bitwise identical): hdim 128 non-causal +16 / +10 / +3% at 512 / 1k / 2k, causal
-  // +31 / +15 / +7 / +3% at 512-4k, within 1% from 8k; hdim 64 causal +7..+1% from 512
-  // to 16k; hdim 64 non-causal +3% at 512 but 5-9% slower from 2k (three consumer
-  // warpgroups on 152 registers, persistent), so it keeps direct stores.
+  // H200 A/B against direct stores (three passes each, outputs bitwise identical): hdim
+  // 128 non-causal +16 / +10 / +3% at 512 / 1k / 2k, causal +31 / +15 / +7 / +3% at
+  // 512-4k, within 1% from 8k; hdim 64 causal +7..+1% from 512 to 16k; hdim 64 non-causal
+  // +3% at 512 but 5-9% slower from 2k (three consumer warpgroups on 152 registers,
+  // persistent), so it keeps direct stores.
   // OutputTraits is what that epilogue reads: a bf16 tile of Q's shape ("SmemLayoutQ":
   // the staging layout) and the PV MMA, whose accumulator layout is that of any 64 x N
   // WGMMA.
-#ifdef FLASH3_FP8_TMA_STORE_O
-  static constexpr bool kTmaStoreO = FLASH3_FP8_TMA_STORE_O && kHeadDim <= 128;
-#else
   static constexpr bool kTmaStoreO = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
-#endif
   // kOInKVStages (hdim 256, whose shared memory has no room for O's buffer): as in the
   // 16-bit hdim 256 short kernels (traits.h), each consumer warpgroup stages its 64 rows
   // of O over one of the tile's last stages, warpgroup 0 over the last V^T stage and
   // warpgroup 1 over the last K stage (32 KB each), which the mainloop then leaves
-  // locked until the store has read them. H200 A/B against direct stores (fifteenth
-  // session, three passes each, outputs bitwise identical): non-causal +16.5 / +10.5 /
+  // locked until the store has read them. H200 A/B against direct stores (three passes
+  // each, outputs bitwise identical): non-causal +16.5 / +10.5 /
   // +6.7 / +5.0 / +3.4 / +2.5% at 512-16k, causal +22.9 / +14.8 / +9.7 / +6.0 / +4.4 /
   // +2.3%.
-#ifdef FLASH3_FP8_O_IN_KV_STAGES
-  static constexpr bool kOInKVStages = FLASH3_FP8_O_IN_KV_STAGES && kHeadDim == 256;
-#else
   static constexpr bool kOInKVStages = kHeadDim == 256;
-#endif
   struct OutputTraits {
     using Element = ElementOut;
     static constexpr int kBlockM = KernelTraitsFp8::kBlockM;
