@@ -285,28 +285,30 @@ def test_fp8_kv_scales_with_different_strides(seed, d):
 @gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 400), (1500, 1500)])
-def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk, monkeypatch):
+def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk):
     """The persistent causal kernels (every head dim) deal their last rounds of tiles out
     on the host (csrc/flash3/scheduler_tail.h): 8 x 16 heads of 1000 rows are 1024 query
     tiles of 128 rows, 7.8 rounds of 132 CTAs. At 1500 keys hdim 64 runs its kernel with
     three consumer warpgroups (192-row tiles: 1024 tiles; up to 1k keys it has two).
-    Right, and bitwise the plain snake's output (FLASH3_TAIL_DEAL=0); the output's memory
-    is poisoned before each call."""
+    Right, and bitwise what each batch alone gives (128 tiles for 132 CTAs: one tile per
+    CTA, no dealt table); the output's memory is poisoned before each call."""
     _skip_unless_built(d, True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(8, s, 16, d, device="cuda", generator=g).to(torch.bfloat16) for s in (sq, sk, sk))
     t = fp8.quantize(q, k, v)
 
-    def run():
-        poison = torch.full((8, sq, 16, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    def run(t):
+        poison = torch.full(t.q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison  # the caching allocator hands the block to the output
         return fp8.attention_fp8(*t, causal=True, return_lse=True)
 
-    out, lse = run()
+    out, lse = run(t)
     _check_kernel(t, True, out, lse)
-    monkeypatch.setenv("FLASH3_TAIL_DEAL", "0")
-    out_snake, lse_snake = run()
-    assert torch.equal(out, out_snake) and torch.equal(lse, lse_snake), "the tile order changed the output"
+    for b in range(8):
+        out_b, lse_b = run(fp8.FP8Tensors(*(x[b : b + 1] for x in t)))
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
+            f"batch {b}: the tile order changed the output"
+        )
 
 
 @gpu
