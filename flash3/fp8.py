@@ -61,7 +61,7 @@ def is_supported(hdim: int, causal: bool) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def hadamard(d: int, dtype=torch.float32, device=None) -> torch.Tensor:
+def hadamard(d: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
     """The Sylvester Hadamard matrix H_d (entries +-1, H[i, j] = (-1)^popcount(i & j)),
     unnormalised; ``H @ H.T == d * I``."""
     if d <= 0 or d & (d - 1):
@@ -75,7 +75,7 @@ def hadamard(d: int, dtype=torch.float32, device=None) -> torch.Tensor:
     return (1 - 2 * parity).to(dtype)
 
 
-def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
+def random_signs(d: int, seed: int = 0, *, device=None) -> torch.Tensor:
     """A float32 vector of ``d`` random +-1 (deterministic in ``seed``, device independent)."""
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
@@ -118,7 +118,7 @@ def _inv_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
 
 
-def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = None, per_tensor: bool = False):
+def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = None, *, per_tensor: bool = False):
     """Quantise ``x`` (batch, seqlen, nheads, headdim) to e4m3, PyTorch reference.
 
     Returns ``(x8, scale)``: ``x8`` float8_e4m3fn like ``x``; ``scale`` float32
@@ -192,9 +192,9 @@ def quantize(q, k, v, *, incoherent: bool = True, per_tensor: bool = False, sign
         k8, ks = torch.ops.flash3.quantize_fp8(k, signs, K_BLOCK)
         v8, vs = torch.ops.flash3.quantize_fp8(v, None, K_BLOCK)
     else:
-        q8, qs = quantize_ref(q, Q_BLOCK, signs, per_tensor)
-        k8, ks = quantize_ref(k, K_BLOCK, signs, per_tensor)
-        v8, vs = quantize_ref(v, K_BLOCK, None, per_tensor)
+        q8, qs = quantize_ref(q, Q_BLOCK, signs, per_tensor=per_tensor)
+        k8, ks = quantize_ref(k, K_BLOCK, signs, per_tensor=per_tensor)
+        v8, vs = quantize_ref(v, K_BLOCK, None, per_tensor=per_tensor)
     return FP8Tensors(q8, k8, v8, qs, ks, vs)
 
 
@@ -223,7 +223,7 @@ def _expand_scale(scale, name, batch, heads, heads_k, seqlen, block_rows, device
                      f"({batch}, {heads}, {nblk}), descales ({batch}, {heads_k}) or a scalar")
 
 
-def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, causal: bool = False,
+def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causal: bool = False,
                   softmax_scale: float | None = None, return_lse: bool = False):
     """softmax(Q K^T * softmax_scale) V with e4m3 q, k, v; bf16 output.
 
@@ -268,7 +268,7 @@ def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, causal: 
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, incoherent: bool = True,
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, incoherent: bool = True,
               seed: int = 0, return_lse: bool = False):
     """End-to-end FP8 attention on bf16 q, k, v: :func:`quantize` (fused kernel, block
     scales, incoherent processing unless ``incoherent=False``) then :func:`attention_fp8`."""
@@ -282,7 +282,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 # ----------------------------------------------------------------------------------------
 
 
-def emulate(t: FP8Tensors, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
+def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
             heads_per_chunk: int = 4) -> torch.Tensor:
     """float64 attention of the dequantised inputs, with P rounded to e4m3 as the kernel
     does: V's scale is folded into the exponent, ``P = exp(s - max_w) * v_scale * 2**8``

@@ -102,6 +102,17 @@ def test_emulated_accuracy_ordering():
     assert err["c"] <= 9.1e-3, err
 
 
+def test_arguments_after_the_tensors_are_keyword_only():
+    q, k, v = (torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(TypeError, match="positional"):
+        fp8.attention(q, k, v, True)
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="positional"):
+        fp8.attention_fp8(q8, q8, q8, None, None, None, True)
+    with pytest.raises(TypeError, match="positional"):
+        fp8.emulate(fp8.FP8Tensors(q8, q8, q8, torch.ones(1, 1, 1), torch.ones(1, 1, 1), torch.ones(1, 1, 1)), True)
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: the fused quantiser and the FP8 kernel
 # ---------------------------------------------------------------------------------------
