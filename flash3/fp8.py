@@ -41,19 +41,50 @@ SUPPORTED_HEADDIMS = (64, 128, 256)
 P_OFFSET = 8
 
 
+# The ops this build registered (a build without e4m3 has none of them), and its FP8
+# kernels as (hdim, causal), looked up once: plain Python values, which torch.compile
+# reads as constants when it traces attention().
+_OPS = frozenset(
+    name for name in ("fwd_fp8", "quantize_fp8", "fp8_kernels") if _C is not None and hasattr(torch.ops.flash3, name)
+)
+_BUILT = (
+    tuple((code // 2, bool(code % 2)) for code in torch.ops.flash3.fp8_kernels()) if "fp8_kernels" in _OPS else ()
+)
+
+
 def _has_op(name: str) -> bool:
-    return _C is not None and hasattr(torch.ops.flash3, name)
+    return name in _OPS
+
+
+# Fake (meta) implementations: the ops' output shapes and dtypes (csrc/api_fp8.cpp), so that
+# torch.compile(fullgraph=True) traces attention() and attention_fp8() without running them.
+if "fwd_fp8" in _OPS:
+
+    @torch.library.register_fake("flash3::fwd_fp8")
+    def _fwd_fp8_fake(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal):
+        batch, seqlen_q, nheads, headdim = q.shape
+        out = q.new_empty((batch, seqlen_q, nheads, headdim), dtype=torch.bfloat16)
+        lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+        return out, lse
+
+
+if "quantize_fp8" in _OPS:
+
+    @torch.library.register_fake("flash3::quantize_fp8")
+    def _quantize_fp8_fake(x, signs, block_rows):
+        batch, seqlen, nheads, _ = x.shape
+        out = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+        scale = x.new_empty((batch, nheads, (seqlen + block_rows - 1) // block_rows), dtype=torch.float32)
+        return out, scale
 
 
 def built_kernels() -> list[dict]:
     """The FP8 forward kernels this build holds: ``[{"hdim", "causal"}]``."""
-    if not _has_op("fp8_kernels"):
-        return []
-    return [{"hdim": code // 2, "causal": bool(code % 2)} for code in torch.ops.flash3.fp8_kernels()]
+    return [{"hdim": hdim, "causal": causal} for hdim, causal in _BUILT]
 
 
 def is_supported(hdim: int, causal: bool) -> bool:
-    return {"hdim": int(hdim), "causal": bool(causal)} in built_kernels()
+    return (int(hdim), bool(causal)) in _BUILT
 
 
 # ----------------------------------------------------------------------------------------
@@ -85,11 +116,21 @@ def random_signs(d: int, seed: int = 0, *, device=None) -> torch.Tensor:
 _device_signs: dict = {}
 
 
+@torch.compiler.assume_constant_result
+def _signs_values(d: int, seed: int) -> tuple:
+    """``random_signs(d, seed)`` as Python floats: torch.compile runs this once, when it
+    traces, and keeps the result as a constant (it cannot trace the torch.Generator)."""
+    return tuple(random_signs(d, seed).tolist())
+
+
 def _cached_signs(d: int, seed: int, device) -> torch.Tensor:
     """``random_signs(d, seed)`` on ``device``, built once per (d, seed, device) and never
     handed out. Building them on the host and copying them on every call stalled the
     stream (a copy from pageable memory waits for the stream's work): it cost 27-36 us
-    per ``quantize`` call on the H200, a quarter of the quantiser's time."""
+    per ``quantize`` call on the H200, a quarter of the quantiser's time. Under
+    torch.compile they are a constant of the graph."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(_signs_values(d, seed), dtype=torch.float32, device=device)
     key = (d, seed, torch.device(device))
     signs = _device_signs.get(key)
     if signs is None:
