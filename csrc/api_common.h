@@ -12,7 +12,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <vector>
@@ -132,14 +131,6 @@ void set_tensor(Ptr& ptr, int64_t& batch_stride, int64_t& row_stride, int64_t& h
   head_stride = t.stride(2);
 }
 
-// FLASH3_HEAD_SECTION=n forces the section size of the tile order of the causal kernels
-// that run one CTA per tile (scheduler.h; 1: head by head), for A/B runs. Read at every
-// call, so that one process can compare orders; getenv is a short scan of the environment.
-inline int forced_head_section() {
-  char const* env = std::getenv("FLASH3_HEAD_SECTION");
-  return env == nullptr ? 0 : std::atoi(env);
-}
-
 // Every field of FwdParams, from the (TMA-readable) q, k, v, the output and its
 // logsumexp (float32, contiguous).
 inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
@@ -161,7 +152,6 @@ inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor c
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.num_sms = device.num_sms;
-  params.head_section = forced_head_section();
 }
 
 }  // namespace flash3::api

@@ -2,7 +2,6 @@
 // (FLASH3_HDIMS, or e4m3 not in FLASH3_DTYPES) have a null launcher.
 #include "flash3/dispatch_fp8.h"
 
-#include <cstdlib>
 #include <limits>
 
 #ifndef FLASH3_HDIM_MASK
@@ -43,62 +42,51 @@ struct FwdFp8Entry {
   int headdim;
   bool causal;
   FwdFp8Launcher launch;
-  int block_n;  // the key tile, for FLASH3_FP8_BLOCK_N
-  // The default kernel: of the entries whose [min_seqlen_k, max_seqlen_k] holds seqlen_k,
-  // the one with the largest min_seqlen_k, then the smallest max_seqlen_k.
+  // The kernel run: of the entries whose [min_seqlen_k, max_seqlen_k] holds seqlen_k, the
+  // one with the largest min_seqlen_k, then the smallest max_seqlen_k.
   int min_seqlen_k = 0;
   int max_seqlen_k = std::numeric_limits<int>::max();
-  bool alternative = false;  // only run when FLASH3_FP8_BLOCK_N asks for it (A/B runs)
-  // A kernel for short sequences (its range ends below INT_MAX): FLASH3_FP8_SHORT_MAX_SEQLEN_K
-  // moves the end of every such range, for A/B runs (0: no short kernel).
-  bool is_short() const { return max_seqlen_k != std::numeric_limits<int>::max(); }
 };
 
 // clang-format off
 FwdFp8Entry const kFwdFp8Table[] = {
-  //  hdim  causal  kernel                          key tile  from seqlen_k
-  {   64,  false, fwd_fp8< 64, NoMask>(),             128},
-  {   64,  true,  fwd_fp8< 64, CausalMask>(),         128},
-  {  128,  false, fwd_fp8<128, NoMask>(),             128},
-  {  128,  true,  fwd_fp8<128, CausalMask>(),         128},
+  // The key tile is the kernel's third template argument (0: 128 keys, traits_fp8.h).
+  //  hdim  causal  kernel                                  seqlen_k from   to
+  {   64,  false, fwd_fp8< 64, NoMask>()},
+  {   64,  true,  fwd_fp8< 64, CausalMask>()},
+  {  128,  false, fwd_fp8<128, NoMask>()},
+  {  128,  true,  fwd_fp8<128, CausalMask>()},
   // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
   // A/B; V's scale in the exponent makes tiles across scale blocks exact).
   // Non-causal, the kShortSeq kernel below serves every length from 1152 keys.
-  {  128,  true,  fwd_fp8<128, CausalMask, 192>(),    192,  2048},
-  {  256,  false, fwd_fp8<256, NoMask>(),             128},
-  {  256,  true,  fwd_fp8<256, CausalMask>(),         128},
-  // Kernels for short sequences (traits_fp8.h kShortSeq: persistent causal ones; after the
-  // others, so that FLASH3_FP8_BLOCK_N still forces the general ones):
-  //                                                 key tile  seqlen_k from  to
-  {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),   128,     0,  2047},
-  // Up to 8192 keys. The general 192-key kernel (softmax under the PV GEMM, lazy
-  // rescale) had measured faster above 4096 (8192: +3.9%); with the scales one per lane
-  // (kLaneScales) and the dealt last rounds (scheduler_tail.h) the short one is
-  // +8.4% at 8192 (H200 A/B, three passes each) and
-  // level at 4096, while at 16k it is 18% slower.
-  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(), 192,  2048,  8192},
-  {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),   128,     0,  4096},
+  {  128,  true,  fwd_fp8<128, CausalMask, 192>(),              2048},
+  {  256,  false, fwd_fp8<256, NoMask>()},
+  {  256,  true,  fwd_fp8<256, CausalMask>()},
+  // Kernels for short sequences (traits_fp8.h kShortSeq: persistent causal ones):
+  {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),             0,  2047},
+  // Up to 8192 keys: with the scales one per lane (traits_fp8.h kLaneScales) and the dealt
+  // last rounds (scheduler_tail.h) it is +8.4% at 8192 against the general 192-key kernel
+  // (softmax under the PV GEMM, lazy rescale; H200 A/B, three passes each) and level at
+  // 4096, while at 16k it is 18% slower.
+  {  128,  true,  fwd_fp8<128, CausalMask, 192, true>(),        2048,  8192},
+  {  256,  true,  fwd_fp8<256, CausalMask, 0, true>(),             0,  4096},
   // hdim 64: two consumer warpgroups up to 1k keys, three up to 8k; at 16k one CTA per
   // tile (H200 A/B: traits_fp8.h TileConfigFp8).
-  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true, 2>(), 128,    0,  1024},
-  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true>(),    128,    0,  8192},
+  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true, 2>(),          0,  1024},
+  {   64,  true,  fwd_fp8< 64, CausalMask, 0, true>(),             0,  8192},
   // hdim 128 non-causal from 1152 keys, at any length: the softmax after the PV GEMM
-  // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). The softmax
-  // under the PV GEMM had measured faster from 8k keys; with the scales one per lane
-  // (kLaneScales) this kernel is +5.3 / +3.4 / +2.4% at 8k /
-  // 16k / 32k (H200 A/B, three passes each), so the general 192-key
-  // non-causal kernel is no longer built. Against the 128-key kernel below 2k keys (same
-  // A/B): -7.6 / -4.6% at 512 / 1024, +7.1 / +1.8 / -1.3 / +7.6 / +0.8% at 1152 / 1280 /
-  // 1408 / 1536 / 1792 (most where 192 divides the length).
-  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),     192,  1152},
+  // (traits_fp8.h kSoftmaxUnderPv; the kernel is persistent either way). With the scales
+  // one per lane (traits_fp8.h kLaneScales) it is +5.3 / +3.4 / +2.4% at 8k / 16k / 32k
+  // against the general 192-key non-causal kernel (softmax under the PV GEMM; H200 A/B,
+  // three passes each), which is no longer built. Against the 128-key kernel below 2k
+  // keys (same A/B): -7.6 / -4.6% at 512 / 1024, +7.1 / +1.8 / -1.3 / +7.6 / +0.8% at
+  // 1152 / 1280 / 1408 / 1536 / 1792 (most where 192 divides the length).
+  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),            1152},
   // hdim 256 non-causal up to 4k keys: the persistent kernel, whose next tile's Q and first
-  // K/V load under the current tile (H200 A/B against one CTA per tile, three passes,
-  // bitwise-identical outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k;
-  // -1.5 / -2.3% at 8k / 16k, which keep the general kernel).
-  {  256,  false, fwd_fp8<256, NoMask, 0, true>(),       128,     0,  4096},
-  // Alternatives for A/B runs go here, e.g. {256, false, fwd_fp8<256, NoMask, 96>(), 96, 0, INT_MAX, true}
-  // with FLASH3_FP8_BLOCK_N=96 (or -1 for every alternative) and the instantiation from
-  // generate.py's FP8_EXTRA_BLOCK_N.
+  // K/V load under the current tile (H200 A/B against one CTA per tile, bitwise-identical
+  // outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k; -1.5 / -2.3% at 8k / 16k,
+  // which keep the general kernel).
+  {  256,  false, fwd_fp8<256, NoMask, 0, true>(),                 0,  4096},
 };
 // clang-format on
 
@@ -107,7 +95,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
 std::vector<Fp8KernelInfo> built_kernels_fp8() {
   std::vector<Fp8KernelInfo> kernels;
   for (auto const& entry : kFwdFp8Table) {
-    if (entry.launch != nullptr && !entry.alternative && entry.min_seqlen_k == 0 &&
+    if (entry.launch != nullptr && entry.min_seqlen_k == 0 &&
         entry.max_seqlen_k == std::numeric_limits<int>::max()) {
       kernels.push_back({entry.headdim, entry.causal});
     }
@@ -115,38 +103,12 @@ std::vector<Fp8KernelInfo> built_kernels_fp8() {
   return kernels;
 }
 
-// FLASH3_FP8_BLOCK_N (read once): run the kernel with that key tile where one is built
-// (at any seqlen_k), -1: any alternative; unset or 0: the default choice.
-static int forced_block_n() {
-  static int const value = [] {
-    char const* env = std::getenv("FLASH3_FP8_BLOCK_N");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
-  return value;
-}
-
-// FLASH3_FP8_SHORT_MAX_SEQLEN_K (read once): unset or negative, the table's ranges.
-static int short_max_seqlen_k() {
-  static int const value = [] {
-    char const* env = std::getenv("FLASH3_FP8_SHORT_MAX_SEQLEN_K");
-    return env != nullptr ? std::atoi(env) : -1;
-  }();
-  return value;
-}
-
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
-  int const forced = forced_block_n();
-  int const short_max = short_max_seqlen_k();
   FwdFp8Entry const* chosen = nullptr;
   for (auto const& entry : kFwdFp8Table) {
     if (entry.headdim != headdim || entry.causal != causal || entry.launch == nullptr) { continue; }
-    if ((forced == -1 && entry.alternative) || (forced > 0 && entry.block_n == forced)) {
-      chosen = &entry;
-      break;
-    }
     int const seqlen_k = params.base.seqlen_k;
-    int const max_seqlen_k = short_max >= 0 && entry.is_short() ? short_max : entry.max_seqlen_k;
-    if (entry.alternative || seqlen_k < entry.min_seqlen_k || seqlen_k > max_seqlen_k) { continue; }
+    if (seqlen_k < entry.min_seqlen_k || seqlen_k > entry.max_seqlen_k) { continue; }
     if (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k ||
         (entry.min_seqlen_k == chosen->min_seqlen_k && entry.max_seqlen_k < chosen->max_seqlen_k)) {
       chosen = &entry;

@@ -12,8 +12,8 @@ raw passes as JSON.
   python3 dev/ab_fwd.py --trees base=.,new=.ab/new --cells 64:causal:512,1024 \\
       --cells 64:full:512 --passes 3 --out $OUT/ab.json
 
-A tree may carry environment settings for its processes (path:NAME=VALUE:...), so that one
-module can be timed against itself with a knob turned (--trees deal=.,snake=.:FLASH3_TAIL_DEAL=0);
+A tree may carry environment settings for its processes (path:NAME=VALUE:...), e.g. to time
+one module against itself under another setting (--trees a=.,b=.:CUDA_MODULE_LOADING=EAGER);
 --impl flash3-fp8 times the FP8 kernel on inputs quantised once (benchmarks/bench_attention.py).
 """
 from __future__ import annotations

@@ -29,8 +29,3 @@ if [ "$BENCH_ARGS" != "skip" ]; then
   timeout 100 python3 benchmarks/bench_attention.py --fp8 --out-dir "$OUT" --tag fp8 $BENCH_ARGS 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^$" | grep -v "^wrote" | cut -c1-150 | tail -40
 fi
-# A/B of the alternative key tile at hdim 256 (FLASH3_FP8_BLOCK_N, csrc/dispatch_fp8.cu).
-if [ -n "${AB_ARGS:-}" ]; then
-  FLASH3_FP8_BLOCK_N=64 timeout 40 python3 benchmarks/bench_attention.py --fp8 --no-ceilings --backends flash3-fp8 \
-    --out-dir "$OUT" --tag fp8_n64 $AB_ARGS 2>&1 | tee "$OUT/bench_n64.log" | grep "^fwd" | cut -c1-110
-fi

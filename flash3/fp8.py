@@ -41,19 +41,50 @@ SUPPORTED_HEADDIMS = (64, 128, 256)
 P_OFFSET = 8
 
 
+# The ops this build registered (a build without e4m3 has none of them), and its FP8
+# kernels as (hdim, causal), looked up once: plain Python values, which torch.compile
+# reads as constants when it traces attention().
+_OPS = frozenset(
+    name for name in ("fwd_fp8", "quantize_fp8", "fp8_kernels") if _C is not None and hasattr(torch.ops.flash3, name)
+)
+_BUILT = (
+    tuple((code // 2, bool(code % 2)) for code in torch.ops.flash3.fp8_kernels()) if "fp8_kernels" in _OPS else ()
+)
+
+
 def _has_op(name: str) -> bool:
-    return _C is not None and hasattr(torch.ops.flash3, name)
+    return name in _OPS
+
+
+# Fake (meta) implementations: the ops' output shapes and dtypes (csrc/api_fp8.cpp), so that
+# torch.compile(fullgraph=True) traces attention() and attention_fp8() without running them.
+if "fwd_fp8" in _OPS:
+
+    @torch.library.register_fake("flash3::fwd_fp8")
+    def _fwd_fp8_fake(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal):
+        batch, seqlen_q, nheads, headdim = q.shape
+        out = q.new_empty((batch, seqlen_q, nheads, headdim), dtype=torch.bfloat16)
+        lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+        return out, lse
+
+
+if "quantize_fp8" in _OPS:
+
+    @torch.library.register_fake("flash3::quantize_fp8")
+    def _quantize_fp8_fake(x, signs, block_rows):
+        batch, seqlen, nheads, _ = x.shape
+        out = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+        scale = x.new_empty((batch, nheads, (seqlen + block_rows - 1) // block_rows), dtype=torch.float32)
+        return out, scale
 
 
 def built_kernels() -> list[dict]:
     """The FP8 forward kernels this build holds: ``[{"hdim", "causal"}]``."""
-    if not _has_op("fp8_kernels"):
-        return []
-    return [{"hdim": code // 2, "causal": bool(code % 2)} for code in torch.ops.flash3.fp8_kernels()]
+    return [{"hdim": hdim, "causal": causal} for hdim, causal in _BUILT]
 
 
 def is_supported(hdim: int, causal: bool) -> bool:
-    return {"hdim": int(hdim), "causal": bool(causal)} in built_kernels()
+    return (int(hdim), bool(causal)) in _BUILT
 
 
 # ----------------------------------------------------------------------------------------
@@ -61,7 +92,7 @@ def is_supported(hdim: int, causal: bool) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def hadamard(d: int, dtype=torch.float32, device=None) -> torch.Tensor:
+def hadamard(d: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
     """The Sylvester Hadamard matrix H_d (entries +-1, H[i, j] = (-1)^popcount(i & j)),
     unnormalised; ``H @ H.T == d * I``."""
     if d <= 0 or d & (d - 1):
@@ -75,7 +106,7 @@ def hadamard(d: int, dtype=torch.float32, device=None) -> torch.Tensor:
     return (1 - 2 * parity).to(dtype)
 
 
-def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
+def random_signs(d: int, seed: int = 0, *, device=None) -> torch.Tensor:
     """A float32 vector of ``d`` random +-1 (deterministic in ``seed``, device independent)."""
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
@@ -85,11 +116,21 @@ def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
 _device_signs: dict = {}
 
 
+@torch.compiler.assume_constant_result
+def _signs_values(d: int, seed: int) -> tuple:
+    """``random_signs(d, seed)`` as Python floats: torch.compile runs this once, when it
+    traces, and keeps the result as a constant (it cannot trace the torch.Generator)."""
+    return tuple(random_signs(d, seed).tolist())
+
+
 def _cached_signs(d: int, seed: int, device) -> torch.Tensor:
     """``random_signs(d, seed)`` on ``device``, built once per (d, seed, device) and never
     handed out. Building them on the host and copying them on every call stalled the
     stream (a copy from pageable memory waits for the stream's work): it cost 27-36 us
-    per ``quantize`` call on the H200, a quarter of the quantiser's time."""
+    per ``quantize`` call on the H200, a quarter of the quantiser's time. Under
+    torch.compile they are a constant of the graph."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(_signs_values(d, seed), dtype=torch.float32, device=device)
     key = (d, seed, torch.device(device))
     signs = _device_signs.get(key)
     if signs is None:
@@ -118,7 +159,7 @@ def _inv_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
 
 
-def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = None, per_tensor: bool = False):
+def quantize_ref(x: torch.Tensor, block_rows: int, signs: torch.Tensor | None = None, *, per_tensor: bool = False):
     """Quantise ``x`` (batch, seqlen, nheads, headdim) to e4m3, PyTorch reference.
 
     Returns ``(x8, scale)``: ``x8`` float8_e4m3fn like ``x``; ``scale`` float32
@@ -192,9 +233,9 @@ def quantize(q, k, v, *, incoherent: bool = True, per_tensor: bool = False, sign
         k8, ks = torch.ops.flash3.quantize_fp8(k, signs, K_BLOCK)
         v8, vs = torch.ops.flash3.quantize_fp8(v, None, K_BLOCK)
     else:
-        q8, qs = quantize_ref(q, Q_BLOCK, signs, per_tensor)
-        k8, ks = quantize_ref(k, K_BLOCK, signs, per_tensor)
-        v8, vs = quantize_ref(v, K_BLOCK, None, per_tensor)
+        q8, qs = quantize_ref(q, Q_BLOCK, signs, per_tensor=per_tensor)
+        k8, ks = quantize_ref(k, K_BLOCK, signs, per_tensor=per_tensor)
+        v8, vs = quantize_ref(v, K_BLOCK, None, per_tensor=per_tensor)
     return FP8Tensors(q8, k8, v8, qs, ks, vs)
 
 
@@ -223,7 +264,7 @@ def _expand_scale(scale, name, batch, heads, heads_k, seqlen, block_rows, device
                      f"({batch}, {heads}, {nblk}), descales ({batch}, {heads_k}) or a scalar")
 
 
-def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, causal: bool = False,
+def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causal: bool = False,
                   softmax_scale: float | None = None, return_lse: bool = False):
     """softmax(Q K^T * softmax_scale) V with e4m3 q, k, v; bf16 output.
 
@@ -268,7 +309,7 @@ def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, causal: 
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, incoherent: bool = True,
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, incoherent: bool = True,
               seed: int = 0, return_lse: bool = False):
     """End-to-end FP8 attention on bf16 q, k, v: :func:`quantize` (fused kernel, block
     scales, incoherent processing unless ``incoherent=False``) then :func:`attention_fp8`."""
@@ -282,7 +323,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 # ----------------------------------------------------------------------------------------
 
 
-def emulate(t: FP8Tensors, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
+def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
             heads_per_chunk: int = 4) -> torch.Tensor:
     """float64 attention of the dequantised inputs, with P rounded to e4m3 as the kernel
     does: V's scale is folded into the exponent, ``P = exp(s - max_w) * v_scale * 2**8``

@@ -167,7 +167,7 @@ if _C is not None:
     torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
     """softmax(q k^T * softmax_scale) v, fused, on a Hopper GPU.
 
     Args:

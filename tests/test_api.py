@@ -79,6 +79,12 @@ def test_causal_must_be_bool():
         flash3.attention(q, k, v, causal="yes")
 
 
+def test_arguments_after_the_tensors_are_keyword_only():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="positional"):
+        flash3.attention(q, k, v, True)
+
+
 def test_docstring_mask_matches_reference():
     """The drawn mask in attention()'s docstring is the reference's causal mask."""
     doc = flash3.attention.__doc__

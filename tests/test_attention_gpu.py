@@ -112,18 +112,21 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
 # 1000; at 1000 x 400 its model keeps the plain snake); hdim 96 and 192 run their general
 # kernels. At 1000 x 400 the first 600 rows see no key: their tiles, which the producer
 # skips, sit in the table too.
-# The deal must not change a bit of the output (FLASH3_TAIL_DEAL=0: the plain snake).
+# The deal must not change a bit of the output: each batch alone (16 heads of 8 query
+# tiles, 128 tiles for 132 CTAs: one tile per CTA, no table) gives the same rows.
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (1000, 400)], ids=["1000x1000", "1000x400"])
 @pytest.mark.parametrize("d", HDIMS)
-def test_tail_balanced_tile_schedule(seed, d, seqlens, monkeypatch):
+def test_tail_balanced_tile_schedule(seed, d, seqlens):
     _skip_unless_built(torch.bfloat16, d, True)
     sq, sk = seqlens
     q, k, v = _make_qkv(seed, 8, sq, sk, 16, 16, d, torch.bfloat16)
     out, lse = _run(q, k, v, True)
     _check_against_reference(q, k, v, True, out, lse)
-    monkeypatch.setenv("FLASH3_TAIL_DEAL", "0")
-    out_snake, lse_snake = _run(q, k, v, True)
-    assert torch.equal(out, out_snake) and torch.equal(lse, lse_snake), "the tile order changed the output"
+    for b in range(q.shape[0]):
+        out_b, lse_b = _run(q[b : b + 1], k[b : b + 1], v[b : b + 1], True)
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
+            f"batch {b}: the tile order changed the output"
+        )
 
 
 # The kernels take each row's max on the scores' bits as integers (utils.h row_max_bits),
@@ -154,21 +157,27 @@ def test_rows_with_negative_scores(seed, d, causal, seqlens):
 
 # The causal kernels with one CTA per tile (at 2500 x 2300 all four head dims here: the
 # lengths are above the short-sequence kernels' limits) take their tiles in sections of
-# (batch, head) pairs, longest first across a section (scheduler.h). 10 pairs in sections
-# of 3 or 4 leave a partial last section; under MQA all pairs read one K/V head. The order
-# must not change a bit of the output: each tile's math is the same wherever it runs.
+# (batch, head) pairs, longest first across a section (scheduler.h section_size). On 132
+# SMs a section holds 4 pairs (20 query tiles per head) or, at hdim 64 (192-row tiles, 14
+# per head), 8: 10 pairs leave a partial last section. Under MQA all pairs read one K/V
+# head. The order must not change a bit of the output: each tile's math is the same
+# wherever it runs, so each (batch, head) pair alone (a section of one: head by head)
+# gives the same rows.
 @pytest.mark.parametrize("hk", [5, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-def test_sectioned_tile_order(seed, d, hk, monkeypatch):
+def test_sectioned_tile_order(seed, d, hk):
     _skip_unless_built(torch.bfloat16, d, True)
-    q, k, v = _make_qkv(seed, 2, 2500, 2300, 5, hk, d, torch.bfloat16)
-    results = []
-    for section in ("1", "3", "4"):
-        monkeypatch.setenv("FLASH3_HEAD_SECTION", section)
-        results.append(_run(q, k, v, True))
-    _check_against_reference(q, k, v, True, *results[1])
-    for out, lse in results[1:]:
-        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1]), "tile order changed the output"
+    b, h = 2, 5
+    q, k, v = _make_qkv(seed, b, 2500, 2300, h, hk, d, torch.bfloat16)
+    out, lse = _run(q, k, v, True)
+    _check_against_reference(q, k, v, True, out, lse)
+    for bi in range(b):
+        for hi in range(h):
+            hki = hi // (h // hk)
+            out_1, lse_1 = _run(q[bi : bi + 1, :, hi : hi + 1], k[bi : bi + 1, :, hki : hki + 1],
+                                v[bi : bi + 1, :, hki : hki + 1], True)
+            assert torch.equal(out[bi : bi + 1, :, hi : hi + 1], out_1), f"({bi}, {hi}): tile order changed the output"
+            assert torch.equal(lse[bi : bi + 1, hi : hi + 1], lse_1), f"({bi}, {hi}): tile order changed the lse"
 
 
 @pytest.mark.parametrize("hk", [1, 2], ids=["mqa", "gqa"])

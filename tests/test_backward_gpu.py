@@ -112,11 +112,12 @@ def test_backward_gqa(seed, d, causal, hk):
 
 
 # The causal backward takes its key tiles in sections of (batch, head) pairs, longest
-# first across a section (kernel_bwd.h): 10 pairs in sections of 3 leave a partial one.
+# first across a section (kernel_bwd.h, scheduler.h section_size). On 132 SMs, 1300 keys
+# give sections of 8 pairs at hdim 64 / 128 (11 key tiles of 128 per head) and of 4 at hdim
+# 256 (21 key tiles of 64): 10 pairs leave a partial one.
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_sectioned_tile_order(seed, d, monkeypatch):
+def test_backward_sectioned_tile_order(seed, d):
     _skip_unless_built(torch.bfloat16, d, True)
-    monkeypatch.setenv("FLASH3_HEAD_SECTION", "3")
     q, k, v, dout = _inputs(seed, 2, 1100, 1300, 5, 5, d, torch.bfloat16)
     _, *grads = _flash3_grads(q, k, v, dout, True)
     _check_grads(q, k, v, dout, True, grads)
@@ -124,19 +125,19 @@ def test_backward_sectioned_tile_order(seed, d, monkeypatch):
 
 # Odd key-tile counts (401 keys: 7 tiles of 64; 135: 3), both masks, deterministic mode,
 # GQA (dk and dv summed over the group) and a partial section of (batch, head) pairs at
-# hdim 192/256. In a build with clusters of two key tiles (traits_bwd.h kClusterN, an A/B
-# option) these are the cases its pairing must get right: the last cluster's CTA without
-# keys; under the causal mask the pair walks from the first query tile its first key tile
-# sees, which the second does not see (it must add nothing to dq, and take no turn in
-# deterministic mode).
+# hdim 192/256: on 132 SMs a causal section holds 16 pairs at 7 key tiles per head and 32
+# at 3, so 2 x 18 pairs leave a partial one at both lengths. In a build with clusters of
+# two key tiles (traits_bwd.h kClusterN, an A/B option) these are the cases its pairing
+# must get right: the last cluster's CTA without keys; under the causal mask the pair
+# walks from the first query tile its first key tile sees, which the second does not see
+# (it must add nothing to dq, and take no turn in deterministic mode).
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(333, 401), (577, 135)], ids=["333x401", "577x135"])
 @pytest.mark.parametrize("d", [192, 256])
-def test_backward_key_tile_pairs(seed, d, sq, sk, causal, deterministic, monkeypatch):
+def test_backward_key_tile_pairs(seed, d, sq, sk, causal, deterministic):
     _skip_unless_built(torch.bfloat16, d, causal)
-    monkeypatch.setenv("FLASH3_HEAD_SECTION", "3")
-    q, k, v, dout = _inputs(seed, 2, sq, sk, 4, 2, d, torch.bfloat16)
+    q, k, v, dout = _inputs(seed, 2, sq, sk, 18, 9, d, torch.bfloat16)
     _, *first = _flash3_grads(q, k, v, dout, causal, deterministic=deterministic)
     _check_grads(q, k, v, dout, causal, first)
     if deterministic:

@@ -102,6 +102,98 @@ def test_emulated_accuracy_ordering():
     assert err["c"] <= 9.1e-3, err
 
 
+def test_arguments_after_the_tensors_are_keyword_only():
+    q, k, v = (torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(TypeError, match="positional"):
+        fp8.attention(q, k, v, True)
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="positional"):
+        fp8.attention_fp8(q8, q8, q8, None, None, None, True)
+    with pytest.raises(TypeError, match="positional"):
+        fp8.emulate(fp8.FP8Tensors(q8, q8, q8, torch.ones(1, 1, 1), torch.ones(1, 1, 1), torch.ones(1, 1, 1)), True)
+
+
+needs_fp8_ops = pytest.mark.skipif(not fp8._has_op("fwd_fp8"), reason="extension without the FP8 ops")
+
+
+@needs_fp8_ops
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_fake_impls_on_meta(causal):
+    """The fake (meta) implementations give the shapes and dtypes of csrc/api_fp8.cpp."""
+    b, sq, sk, h, hk, d = 2, 300, 200, 8, 4, 128
+    q = torch.empty(b, sq, h, d, dtype=torch.float8_e4m3fn, device="meta")
+    k, v = (torch.empty(b, sk, hk, d, dtype=torch.float8_e4m3fn, device="meta") for _ in range(2))
+    qs = torch.empty(b, h, 5, device="meta")
+    ks, vs = (torch.empty(b, hk, 2, device="meta") for _ in range(2))
+    out, lse = torch.ops.flash3.fwd_fp8(q, k, v, qs, ks, vs, 0.125, causal)
+    assert out.shape == (b, sq, h, d) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    x = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device="meta")
+    signs = torch.empty(d, device="meta")
+    for block_rows, blocks in ((64, 5), (128, 3)):
+        x8, scale = torch.ops.flash3.quantize_fp8(x, signs, block_rows)
+        assert x8.shape == x.shape and x8.dtype == torch.float8_e4m3fn and x8.is_contiguous()
+        assert scale.shape == (b, h, blocks) and scale.dtype == torch.float32
+    torch.library.opcheck(torch.ops.flash3.fwd_fp8.default, (q, k, v, qs, ks, vs, 0.125, causal),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.flash3.quantize_fp8.default, (x, None, 64),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(flash3.interface._C is not None, reason="built: the GPU test compiles the real ops")
+def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
+    """torch.compile(fullgraph=True) traces flash3.fp8.attention, first call included (the
+    rotation's signs then come from a constant): run on the CPU against stand-in ops of
+    the extension's schemas, and a copy of flash3/fp8.py without its CUDA checks."""
+    import importlib.util
+    import sys
+
+    lib = torch.library.Library("flash3", "FRAGMENT")
+    try:
+        lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, "
+                   "float softmax_scale, bool causal) -> (Tensor out, Tensor lse)")
+        lib.define("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)")
+        lib.define("fp8_kernels() -> int[]")
+        monkeypatch.setattr(flash3.interface, "_C", object())
+        src = open(fp8.__file__).read()
+        cuda_checks = (("if not q8.is_cuda:", "if False:"), ("not per_tensor and q.is_cuda and", "not per_tensor and"))
+        for old, new in cuda_checks:
+            assert old in src, old
+            src = src.replace(old, new)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("flash3._fp8_on_cpu", loader=None))
+        module.__package__ = "flash3"
+        monkeypatch.setitem(sys.modules, "flash3._fp8_on_cpu", module)
+
+        def fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal):
+            t = module.FP8Tensors(q, k, v, q_scale, k_scale, v_scale)
+            out = module.emulate(t, causal=causal, softmax_scale=softmax_scale).to(torch.bfloat16)
+            return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+        lib.impl("fwd_fp8", fwd_fp8, "CPU")
+        lib.impl("quantize_fp8", lambda x, signs, block_rows: module.quantize_ref(x, block_rows, signs), "CPU")
+        lib.impl("fp8_kernels", lambda: [256, 257], "CompositeExplicitAutograd")
+        exec(compile(src, fp8.__file__, "exec"), module.__dict__)
+        assert module._OPS == {"fwd_fp8", "quantize_fp8", "fp8_kernels"}
+
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 150, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("aot_eager")
+            compiled = torch.compile(lambda q, k, v: module.attention(q, k, v, causal=causal), fullgraph=True,
+                                     backend=counter)
+            out = compiled(q, k, v)
+            assert counter.frame_count == 1
+            ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+            assert {"flash3.quantize_fp8", "flash3.fwd_fp8"} <= ops, ops
+            assert torch.equal(out, module.attention(q, k, v, causal=causal))
+    finally:
+        torch._dynamo.reset()
+        lib._destroy()
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: the fused quantiser and the FP8 kernel
 # ---------------------------------------------------------------------------------------
@@ -285,28 +377,30 @@ def test_fp8_kv_scales_with_different_strides(seed, d):
 @gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 400), (1500, 1500)])
-def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk, monkeypatch):
+def test_fp8_tail_balanced_tile_schedule(seed, d, sq, sk):
     """The persistent causal kernels (every head dim) deal their last rounds of tiles out
     on the host (csrc/flash3/scheduler_tail.h): 8 x 16 heads of 1000 rows are 1024 query
     tiles of 128 rows, 7.8 rounds of 132 CTAs. At 1500 keys hdim 64 runs its kernel with
     three consumer warpgroups (192-row tiles: 1024 tiles; up to 1k keys it has two).
-    Right, and bitwise the plain snake's output (FLASH3_TAIL_DEAL=0); the output's memory
-    is poisoned before each call."""
+    Right, and bitwise what each batch alone gives (128 tiles for 132 CTAs: one tile per
+    CTA, no dealt table); the output's memory is poisoned before each call."""
     _skip_unless_built(d, True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(8, s, 16, d, device="cuda", generator=g).to(torch.bfloat16) for s in (sq, sk, sk))
     t = fp8.quantize(q, k, v)
 
-    def run():
-        poison = torch.full((8, sq, 16, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    def run(t):
+        poison = torch.full(t.q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison  # the caching allocator hands the block to the output
         return fp8.attention_fp8(*t, causal=True, return_lse=True)
 
-    out, lse = run()
+    out, lse = run(t)
     _check_kernel(t, True, out, lse)
-    monkeypatch.setenv("FLASH3_TAIL_DEAL", "0")
-    out_snake, lse_snake = run()
-    assert torch.equal(out, out_snake) and torch.equal(lse, lse_snake), "the tile order changed the output"
+    for b in range(8):
+        out_b, lse_b = run(fp8.FP8Tensors(*(x[b : b + 1] for x in t)))
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
+            f"batch {b}: the tile order changed the output"
+        )
 
 
 @gpu
@@ -325,6 +419,22 @@ def test_fp8_persistent_non_causal_many_tiles(seed, d, sq, sk):
     del poison  # the caching allocator hands the block to the output
     out, lse = fp8.attention_fp8(*t, causal=False, return_lse=True)
     _check_kernel(t, False, out, lse)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_attention_torch_compile_fullgraph(seed, causal):
+    """flash3.fp8.attention compiles as one graph (the fake implementations of the fused
+    quantiser and the FP8 kernel) and gives the eager output bitwise; compiled first, so
+    that the trace also covers the rotation's signs before eager mode has cached them."""
+    _skip_unless_built(128, causal)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(2, 700, 4, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fp8.attention(q, k, v, causal=causal, return_lse=True), fullgraph=True)
+    out_c, lse_c = compiled(q, k, v)
+    out, lse = fp8.attention(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out_c, out) and torch.equal(lse_c, lse)
 
 
 @gpu

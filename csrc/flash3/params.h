@@ -67,10 +67,7 @@ struct FwdParams {
 // workspace (whole tiles) and the deterministic-mode semaphores (one per tile) with it.
 // hdim 64's GEMMs are short in K (64), so a taller query tile halves the per-tile costs
 // (barriers, the dQ hand-over) against its math.
-#ifndef FLASH3_BWD_HDIM64_BLOCK_M
-#define FLASH3_BWD_HDIM64_BLOCK_M 128
-#endif
-constexpr int bwd_block_m(int headdim) { return headdim == 64 ? FLASH3_BWD_HDIM64_BLOCK_M : 64; }
+constexpr int bwd_block_m(int headdim) { return headdim == 64 ? 128 : 64; }
 
 // The backward pass (launch_bwd.h): the forward's tensors plus the gradients and the
 // fp32 workspaces the binding allocates.

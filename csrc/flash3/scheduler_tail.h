@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <queue>
 #include <utility>
@@ -50,24 +49,21 @@ struct TailBalancedScheduler {
   static int m_block_of(Snake::Params const& p, int t) { return p.num_m_blocks - 1 - t % p.num_m_blocks; }
 
   // The table for one problem shape; the last shape's is kept, since a model runs the
-  // same shape over and over. FLASH3_TAIL_DEAL=0 keeps the plain snake (A/B runs, and the
-  // test that the order changes no bit of the output); it is read at every call.
+  // same shape over and over.
   static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k,
                           int block_m, int block_n) {
-    char const* env = std::getenv("FLASH3_TAIL_DEAL");
-    int const enabled = env == nullptr || std::atoi(env) != 0;
     static thread_local std::vector<int> cached_key;
     static thread_local Params cached;
-    std::vector<int> const key{num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, enabled};
+    std::vector<int> const key{num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n};
     if (key != cached_key) {
-      cached = deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, enabled);
+      cached = deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n);
       cached_key = key;
     }
     return cached;
   }
 
   static Params deal(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k, int block_m,
-                     int block_n, bool enabled) {
+                     int block_n) {
     Params p;
     static_cast<Snake::Params&>(p) = Snake::to_params(num_m_blocks, nheads, batch);
     p.tail_begin = p.num_tiles;
@@ -76,7 +72,7 @@ struct TailBalancedScheduler {
     }
     int const ctas = int(Snake::grid(p, num_sms).x);
     int const rounds = ctas > 0 ? p.num_tiles / ctas : 0;
-    if (!enabled || ctas > kMaxCtas || rounds < 2) { return p; }
+    if (ctas > kMaxCtas || rounds < 2) { return p; }
     std::vector<double> cost(p.num_tiles);
     for (int t = 0; t < p.num_tiles; ++t) {
       cost[t] = tile_cost(m_block_of(p, t), seqlen_q, seqlen_k, block_m, block_n);

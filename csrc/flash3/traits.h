@@ -8,7 +8,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "utils.h"  // FLASH3_INT_ROW_MAX
+#include "utils.h"
 
 namespace flash3 {
 
@@ -46,13 +46,7 @@ using namespace cute;
 //    64    2     128      128  non-causal <= 1k tokens, causal <= 2k (no pingpong)
 //   128    2     128      128  non-causal and causal <= 2k (non-causal: no pingpong)
 //   256    2     128       64  non-causal <= 512, causal <= 1k (causal: no pingpong)
-// Knobs for A/B builds only (nvcc -D...): the defaults are the measured choices.
-#ifndef FLASH3_FWD_HDIM128_BLOCK_N
-#define FLASH3_FWD_HDIM128_BLOCK_N 176
-#endif
-#ifndef FLASH3_FWD_HDIM128_PERSISTENT
-#define FLASH3_FWD_HDIM128_PERSISTENT 1
-#endif
+// docs/kernels.md lists every built kernel with these values resolved.
 
 // kShortSeq: a second kernel for short sequences, picked at launch when both seqlen_q
 // and seqlen_k are at most kShortSeqMaxSeqlen (launch_fwd.h). A short tile is a few
@@ -82,13 +76,8 @@ constexpr int short_seq_max_seqlen() {
     return kHeadDim == 64 ? 1024 : kHeadDim == 128 ? 2048 : kHeadDim == 256 ? 512 : 0;
   }
 }
-#ifdef FLASH3_SHORT_SEQ_MAX_SEQLEN  // A/B builds: every short tile up to this length
-template <int kHeadDim, bool kIsCausal>
-constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>() > 0 ? FLASH3_SHORT_SEQ_MAX_SEQLEN : 0;
-#else
 template <int kHeadDim, bool kIsCausal>
 constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
-#endif
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 
@@ -117,15 +106,15 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShor
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<128, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kStages = 2;
-  static constexpr int kBlockN = kIsCausal || kShortSeq ? 128 : FLASH3_FWD_HDIM128_BLOCK_N;
-  static constexpr bool kPersistent = kShortSeq || (!kIsCausal && bool(FLASH3_FWD_HDIM128_PERSISTENT));
+  // Non-causal 176 keys: 160- and 192-key tiles measured within 1-2% of it (H200 A/B).
+  static constexpr int kBlockN = kIsCausal || kShortSeq ? 128 : 176;
+  static constexpr bool kPersistent = kShortSeq || !kIsCausal;
   static constexpr bool kPingpong = kIsCausal;
   // Non-causal: the persistent 128x176 tile has no shared memory left to stage O apart
   // from Q, and staging it in Q's buffer holds back the next tile's Q (-2..-11%). The
   // tiles that do leave room (x144, x160) with the TMA store were within +-4% of this
   // one with direct stores (A/B, H200), so it stays on direct stores. Staged over the
-  // last K and V stages instead (kOInKVStages) it was 4-5% slower
-  // from 4k keys.
+  // last K and V stages instead (kOInKVStages) it was 4-5% slower from 4k keys.
   static constexpr bool kTmaStoreO = kIsCausal || kShortSeq;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kShortSeq> {
@@ -161,8 +150,7 @@ struct KernelTraits {
   static constexpr bool kPingpong = Config::kPingpong;
   // How much of the softmax of key tile j + 1 runs under the warpgroup's own
   // O += P(j) V(j) (mainloop_fwd.h; without utils.h run_in_own_block ptxas waits for the
-  // GEMM first). H200 A/Bs against the softmax after that GEMM, bitwise-identical outputs
-  // (docs/performance.md):
+  // GEMM first). H200 A/Bs against the softmax after that GEMM, bitwise-identical outputs:
   // - kHalf (the row max and half the rows' exponentials under the GEMM, O's rescale
   //   beside the other half after it, as in the FP8 kernels): hdim 96 +0..+8% (most at
   //   long non-causal), hdim 128 +0..+3%, hdim 192 +0..+3%; at hdim 64 0.93-1.00 (and its
@@ -173,7 +161,6 @@ struct KernelTraits {
   // - so hdim 64 keeps the old order (kNone): with two or three warpgroups in pingpong
   //   the others' GEMMs already fill the tensor cores during a softmax there, and its
   //   tiles' GEMMs are short against their softmax.
-  // (With earlier tiles it had measured 4-14% losses at hdim 64, 128 and 256.)
   static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
       kHeadDim == 64                     ? SoftmaxUnderPv::kNone
       : kHeadDim == 256 && !kShortSeq_   ? SoftmaxUnderPv::kWhole
@@ -187,12 +174,11 @@ struct KernelTraits {
   static constexpr bool kLazyRescale = kHeadDim != 64;
   // The row max from the scores' bits with 3-input integer maxima, as a tree (softmax.h,
   // utils.h row_max_bits): half the instructions of the FMNMX chain and a short dependency
-  // path ahead of the exponentials. H200 A/B against the FMNMX chain (two runs,
-  // three passes each, bitwise-identical outputs): hdim 64 non-causal +3..+5%
-  // from 2k keys, the short causal kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal
-  // kernel (from 4k) -1.5%, hdim 128 causal -1..-3%, hdim 128 non-causal and hdim 256
-  // within +-1%: there it stays off. FLASH3_INT_ROW_MAX=0 turns it off everywhere.
-  static constexpr bool kIntRowMax = FLASH3_INT_ROW_MAX && kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
+  // path ahead of the exponentials. H200 A/B against the FMNMX chain (three passes each,
+  // bitwise-identical outputs): hdim 64 non-causal +3..+5% from 2k keys, the short causal
+  // kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal kernel (from 4k) -1.5%, hdim
+  // 128 causal -1..-3%, hdim 128 non-causal and hdim 256 within +-1%: there it stays off.
+  static constexpr bool kIntRowMax = kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   // The P V product: M = query rows, N = head dim, K = keys.
@@ -237,26 +223,22 @@ struct KernelTraits {
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-  // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA, unless
-  // built with FLASH3_FWD_O_FROM_REGISTERS (the A/B experiment against direct stores).
-  // The staging buffer has Q's size (per warpgroup, with kOInKVStages below, 64 rows over
-  // a K or V stage). A kernel with one tile per CTA reuses Q's buffer:
+  // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA where
+  // Config::kTmaStoreO says so, else stored straight from registers. The staging buffer
+  // has Q's size (per warpgroup, with kOInKVStages below, 64 rows over a K or V stage).
+  // A kernel with one tile per CTA reuses Q's buffer:
   // each warp's rows are free once its warpgroup's last Q K^T is done, and Q is handed
   // back to the producer (which has no next tile to load) after the store has read them.
   // A persistent kernel would then hold the next tile's Q load until O has left, so it
   // gets a buffer of its own where shared memory allows (hdim 96 non-causal, the hdim 64
   // and 128 short tiles). The hdim 256 short tiles have no room for one (2 x 64 KB of Q
   // and O beside 128 KB of K/V stages) and stage O over K/V stages (kOInKVStages).
-#ifdef FLASH3_FWD_O_FROM_REGISTERS
-  static constexpr bool kTmaStoreO = false;
-#else
   static constexpr bool kTmaStoreO = Config::kTmaStoreO;
-#endif
   // kQStages: two Q buffers let the producer load the next tile's Q as soon as it has
   // loaded that tile's first K, one key tile earlier than when Q must wait for the current
-  // tile's last Q K^T. On for the hdim 64 short non-causal kernel (H200 A/B, three
-  // passes: +1.7% at 512 tokens, +3.0% at 1k; the short causal kernel measured -0.7..+0.8%
-  // and keeps one). Needs room for both Q buffers beside O's own.
+  // tile's last Q K^T. On for the hdim 64 short non-causal kernel (H200 A/B: +1.7% at 512
+  // tokens, +3.0% at 1k; the short causal kernel measured -0.7..+0.8% and keeps one).
+  // Needs room for both Q buffers beside O's own.
   static constexpr int kQStages =
       kHeadDim == 64 && kShortSeq_ && !kIsCausal_ && kTmaStoreO && kPersistent &&
               3 * kBytesQ + 2 * kStages * kBytesKV + 1024 <= 227 * 1024
@@ -271,13 +253,9 @@ struct KernelTraits {
   // (warpgroup 0) and last K stage (warpgroup 1), each kBlockN x d, instead of over Q:
   // Q is then released after the last Q K^T as usual, and what waits for the store is the
   // next tile's second K and V, not its Q (its first K and V go to the other stage).
-  // H200 A/B against O over Q (three passes each, outputs bitwise
-  // identical): non-causal 512 +3.8%; causal 512 +4.0%, 1k +1.9%.
-#ifdef FLASH3_FWD_O_IN_KV_STAGES
-  static constexpr bool kOInKVStages = FLASH3_FWD_O_IN_KV_STAGES &&
-#else
+  // H200 A/B against O over Q (three passes each, outputs bitwise identical): non-causal
+  // 512 +3.8%; causal 512 +4.0%, 1k +1.9%.
   static constexpr bool kOInKVStages =
-#endif
       kTmaStoreO && kPersistent && !kSmemOSeparate && kBlockN >= 64 && kConsumerWarpgroups == 2;
   static constexpr bool kReleaseQAfterEpilogue = kTmaStoreO && !kSmemOSeparate && !kOInKVStages;
 };

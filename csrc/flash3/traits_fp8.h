@@ -26,10 +26,10 @@ using namespace cute;
 //   hdim 128: 16 KB + 2 * 3 * 16 KB = 112 KB
 //   hdim 256: 32 KB + 2 * 3 * 32 KB = 224 KB
 // Registers per consumer thread: O kHeadDim / 2, S kBlockN / 2, P kBlockN / 8.
-// kBlockNOverride (0: default) picks another key tile for A/B runs (launch_fwd_fp8.h).
-// hdim 256 uses 128-key tiles (H200 A/B): +20..+24% non-causal and +6..+23%
-// causal over 64-key tiles once the V transpose became cheap (an earlier A/B measured the
-// opposite, 1-4% for 64, with the old transposer). They need all 240 registers per
+// kBlockNOverride (0: default) picks another key tile (the hdim 128 192-key kernels;
+// launch_fwd_fp8.h, dispatch_fp8.cu).
+// hdim 256 uses 128-key tiles (H200 A/B): +20..+24% non-causal and +6..+23% causal over
+// 64-key tiles once the V transpose became cheap. They need all 240 registers per
 // consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 // kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
@@ -59,8 +59,8 @@ struct TileConfigFp8 {
   // at 16k keys both lose (-13% / -9%) to one CTA per tile (dispatch_fp8.cu).
   static constexpr int kConsumerWarpgroups = kWarpgroupsOverride ? kWarpgroupsOverride : kHeadDim == 64 ? 3 : 2;
   static constexpr int kBlockN = kBlockNOverride ? kBlockNOverride : 128;
-  // Three or four K/V stages measured within 1% of two on the whole grid (one H200
-  // run): the loads are not what the tile waits for.
+  // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run):
+  // the loads are not what the tile waits for.
   static constexpr int kStages = 2;
   static constexpr bool kPersistent = (!kIsCausal && kHeadDim <= 128) || kShortSeq;
   // hdim 64 non-causal (the cheapest GEMMs, so the softmax's own latency is the tile):
@@ -116,20 +116,18 @@ struct KernelTraitsFp8 {
   // A key tile over several scale groups (hdim 128, 192-key tiles: three groups of 64
   // keys) works out each group's scales on a lane of its own and shuffles them to the
   // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
-  // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (three
-  // passes each, bitwise-identical outputs): the kShortSeq kernels (the
+  // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (three passes each,
+  // bitwise-identical outputs): the kShortSeq kernels (the
   // softmax after the PV GEMM) +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
   // causal; those with the softmax under the PV GEMM -2.0..-2.6% (8k, 16k): off there.
   static constexpr bool kLaneScales = !kSoftmaxUnderPv;
   // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
-  // FMNMX chains (two runs, three passes each, bitwise-identical
-  // outputs): hdim 64 non-causal +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k
-  // keys (both masks); hdim 64 causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at
-  // 512, hdim 256 non-causal -1% with more spills, hdim 256 causal +1..+3% but 29-32
-  // local-memory instructions, over check_sass.py's bound: there it stays off.
-  // FLASH3_INT_ROW_MAX=0 turns it off everywhere.
-  static constexpr bool kIntRowMax =
-      FLASH3_INT_ROW_MAX && ((kHeadDim == 64 && !kIsCausal_) || (kHeadDim == 128 && kBlockN == 192));
+  // FMNMX chains (three passes each, bitwise-identical outputs): hdim 64 non-causal
+  // +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k keys (both masks); hdim 64
+  // causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at 512, hdim 256 non-causal -1%
+  // with more spills, hdim 256 causal +1..+3% but 29-32 local-memory instructions, over
+  // check_sass.py's bound: there it stays off.
+  static constexpr bool kIntRowMax = (kHeadDim == 64 && !kIsCausal_) || (kHeadDim == 128 && kBlockN == 192);
 
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
   // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
@@ -192,32 +190,24 @@ struct KernelTraitsFp8 {
   // (EpilogueFwdTma, epilogue_fwd.h) rather than straight from registers: the consumers
   // hand the rows over in a few STSM and go on to the next tile, and the global writes
   // are whole lines. Shared memory has room at hdim <= 128 (24-32 KB beside 60-112 KB).
-  // H200 A/B against direct stores (three passes each, outputs
-  // bitwise identical): hdim 128 non-causal +16 / +10 / +3% at 512 / 1k / 2k, causal
-  // +31 / +15 / +7 / +3% at 512-4k, within 1% from 8k; hdim 64 causal +7..+1% from 512
-  // to 16k; hdim 64 non-causal +3% at 512 but 5-9% slower from 2k (three consumer
-  // warpgroups on 152 registers, persistent), so it keeps direct stores.
+  // H200 A/B against direct stores (three passes each, outputs bitwise identical): hdim
+  // 128 non-causal +16 / +10 / +3% at 512 / 1k / 2k, causal +31 / +15 / +7 / +3% at
+  // 512-4k, within 1% from 8k; hdim 64 causal +7..+1% from 512 to 16k; hdim 64 non-causal
+  // +3% at 512 but 5-9% slower from 2k (three consumer warpgroups on 152 registers,
+  // persistent), so it keeps direct stores.
   // OutputTraits is what that epilogue reads: a bf16 tile of Q's shape ("SmemLayoutQ":
   // the staging layout) and the PV MMA, whose accumulator layout is that of any 64 x N
   // WGMMA.
-#ifdef FLASH3_FP8_TMA_STORE_O
-  static constexpr bool kTmaStoreO = FLASH3_FP8_TMA_STORE_O && kHeadDim <= 128;
-#else
   static constexpr bool kTmaStoreO = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
-#endif
   // kOInKVStages (hdim 256, whose shared memory has no room for O's buffer): as in the
   // 16-bit hdim 256 short kernels (traits.h), each consumer warpgroup stages its 64 rows
   // of O over one of the tile's last stages, warpgroup 0 over the last V^T stage and
   // warpgroup 1 over the last K stage (32 KB each), which the mainloop then leaves
-  // locked until the store has read them. H200 A/B against direct stores (three
-  // passes each, outputs bitwise identical): non-causal +16.5 / +10.5 /
+  // locked until the store has read them. H200 A/B against direct stores (three passes
+  // each, outputs bitwise identical): non-causal +16.5 / +10.5 /
   // +6.7 / +5.0 / +3.4 / +2.5% at 512-16k, causal +22.9 / +14.8 / +9.7 / +6.0 / +4.4 /
   // +2.3%.
-#ifdef FLASH3_FP8_O_IN_KV_STAGES
-  static constexpr bool kOInKVStages = FLASH3_FP8_O_IN_KV_STAGES && kHeadDim == 256;
-#else
   static constexpr bool kOInKVStages = kHeadDim == 256;
-#endif
   struct OutputTraits {
     using Element = ElementOut;
     static constexpr int kBlockM = KernelTraitsFp8::kBlockM;

@@ -120,10 +120,6 @@ struct SumOp {
 // floats is bitwise their float max when one of them is >= +0, and negative otherwise
 // (the callers then take the float max). Hopper's 3-input integer max (VIMNMX3,
 // __vimax3_s32) takes one instruction per two scores where FMNMX takes one per score.
-#ifndef FLASH3_INT_ROW_MAX
-#define FLASH3_INT_ROW_MAX 1
-#endif
-
 // The scores' bits are read through volatile asm: a plain bit cast of a WGMMA accumulator
 // is hoisted by the compiler to right after the WGMMA is issued, ahead of its wait, and
 // ptxas then serialises every WGMMA (C7514) to make the read safe.

@@ -10,8 +10,7 @@ DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 HDIMS = [64, 96, 128, 192, 256]
 MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 # FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Kernels with a
-# key tile besides the default one (dispatch_fp8.cu picks by seqlen_k; FLASH3_FP8_BLOCK_N
-# forces one, for A/B runs) get an n<N> suffix.
+# key tile besides the default one (dispatch_fp8.cu picks by seqlen_k) get an n<N> suffix.
 # Per head dim, the masks whose forward has a second tile for short sequences (traits.h,
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_<mask>short.cu.
 SHORT_SEQ_TILES = {64: ["nomask", "causal"], 128: ["nomask", "causal"], 256: ["nomask", "causal"]}
@@ -57,8 +56,8 @@ def main():
                     '#include "flash3/launch_fwd.h"\n\n'
                     f"FLASH3_INSTANTIATE_FWD_SHORT_SEQ({element}, {hdim}, {MASKS[mask_name]})\n"
                 )
-    # FP8 forward (four "_"-separated name parts, as setup.py expects; an alternative key
-    # tile is appended to the mask part: fwd_e4m3_hdim256_nomaskn128.cu).
+    # FP8 forward (four "_"-separated name parts, as setup.py expects; another key tile is
+    # appended to the mask part: fwd_e4m3_hdim128_causaln192.cu).
     for hdim in FP8_HDIMS:
         for mask_name, mask in MASKS.items():
             for block_n in [0, *FP8_EXTRA_BLOCK_N.get(hdim, {}).get(mask_name, [])]:
