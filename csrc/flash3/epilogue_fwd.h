@@ -117,7 +117,8 @@ struct EpilogueFwd {
 // (variable-length) batch the rows past a sequence's end belong to the next one: a warp
 // whose 16 rows reach past its sequence's end stores the rows it owns with plain 16-byte
 // stores from the staging buffer instead.
-template <class Traits>
+// kVarlen: a packed batch (seqlen.h), whose rows past a sequence's end are the next one's.
+template <class Traits, bool kVarlen = false>
 struct EpilogueFwdTma {
   using Element = typename Traits::Element;
   using Direct = EpilogueFwd<Traits>;  // the lse, and tiles that see no key
@@ -140,7 +141,6 @@ struct EpilogueFwdTma {
     typename Direct::Params direct;
     TmaO tma_o;
     ShapeRowsHead shape_o;  // tma.h
-    bool is_varlen;
   };
 
   static Params to_params(FwdParams const& p) {
@@ -148,7 +148,7 @@ struct EpilogueFwdTma {
     return {Direct::to_params(p),
             make_tma_o(static_cast<Element*>(p.o_ptr), shape_o,
                        rows_head_stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)),
-            shape_o, p.is_varlen()};
+            shape_o};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {
@@ -205,7 +205,7 @@ struct EpilogueFwdTma {
     __syncwarp();
     int const warp = thread_idx / cutlass::NumThreadsPerWarp;
     int const buffer_row0 = (mma_thread / cutlass::NumThreadsPerWarp) * kRowsPerWarp;
-    if (params.is_varlen) {
+    if constexpr (kVarlen) {
       int const rows = seq.seqlen_q - (m_block * kBlockM + warp * kRowsPerWarp);
       if (rows < kRowsPerWarp) {
         store_rows_from_smem<SmemLayout>(params, smem_o, buffer_row0, m_block * kBlockM + warp * kRowsPerWarp, rows,

@@ -69,7 +69,7 @@ struct FlashBwdKernel {
     int const num_n_blocks = (p.seqlen_k + Traits::kBlockN * kClusterN - 1) / (Traits::kBlockN * kClusterN) * kClusterN;
     int section = 0;
     if (Mask::kIsCausal && !p.deterministic) {
-      section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads, p.head_section);
+      section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads);
     }
     return {num_n_blocks, p.nheads, p.batch * p.nheads, section};
   }

@@ -23,12 +23,16 @@ namespace flash3 {
 
 using namespace cute;
 
-template <class Traits_, class Mask_>
+// kVarlen: a packed batch of sequences of different lengths (seqlen.h). A kernel of its
+// own rather than a run-time property of the dense one: read at run time, the lengths
+// take registers that the dense kernels at hdim 256 do not have (they spilled).
+template <class Traits_, class Mask_, bool kVarlen_ = false>
 struct FlashFwdKernel {
   using Traits = Traits_;
   using Mask = Mask_;
+  static constexpr bool kVarlen = kVarlen_;
   using Mainloop = MainloopFwd<Traits, Mask>;
-  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits>, EpilogueFwd<Traits>>;
+  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits, kVarlen>, EpilogueFwd<Traits>>;
   using Element = typename Traits::Element;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
@@ -97,7 +101,7 @@ struct FlashFwdKernel {
       scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
                                        Traits::kBlockM, Traits::kBlockN);
     } else {
-      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.head_section);
+      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms);
     }
     return {Mainloop::to_params(p), Epilogue::to_params(p), scheduler};
   }
@@ -153,7 +157,7 @@ struct FlashFwdKernel {
         PipelineStateQ write_q;  // advances with every tile that loads Q
         for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
-          Seq const seq = params.mainloop.seqs.at(tile.batch);
+          Seq const seq = params.mainloop.seqs.template at<kVarlen>(tile.batch);
           // Tiles past the sequence's rows (packed batches: the grid covers the longest
           // sequence) and tiles that see no key load nothing.
           if (tile.m_block * Traits::kBlockM >= seq.seqlen_q || Mainloop::n_block_end(seq, tile.m_block) <= 0) {
@@ -172,13 +176,15 @@ struct FlashFwdKernel {
       PipelineStateQ read_q;  // the Q buffer of the current tile
       for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
-        Seq const seq = params.mainloop.seqs.at(tile.batch);
+        Seq seq = params.mainloop.seqs.template at<kVarlen>(tile.batch);
         if (tile.m_block * Traits::kBlockM >= seq.seqlen_q) { continue; }  // no rows: nothing to write
         bool const has_keys = Mainloop::n_block_end(seq, tile.m_block) > 0;
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
                                  storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
                                  pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, seq);
+        // A packed batch's sequence read afresh rather than kept in registers across the mainloop.
+        if constexpr (kVarlen) { seq = params.mainloop.seqs.template at<kVarlen>(tile.batch); }
         if (has_keys) { ++read_q; }
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {

@@ -88,7 +88,7 @@ struct FlashFwdKernelFp8 {
       scheduler = Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.seqlen_q,
                                        p.base.seqlen_k, Traits::kBlockM, Traits::kBlockN);
     } else {
-      scheduler = Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms, p.base.head_section);
+      scheduler = Scheduler::to_params(num_m_blocks, p.base.nheads, p.base.batch, p.base.num_sms);
     }
     return {Mainloop::to_params(p), Epilogue::to_params(p.base), scheduler};
   }

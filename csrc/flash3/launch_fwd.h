@@ -12,37 +12,48 @@
 
 namespace flash3 {
 
-// One tile configuration of the kernel for (element, head dim, mask).
-template <class Element, int kHeadDim, class Mask, bool kShortSeq>
+// One kernel of (element, head dim, mask): its tile configuration (short-sequence or
+// general) and batch layout (dense or packed).
+template <class Element, int kHeadDim, class Mask, bool kShortSeq, bool kVarlen>
 cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal, kShortSeq>, Mask>;
+  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal, kShortSeq>, Mask, kVarlen>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
                           kernel_params);
 }
 
+template <class Element, int kHeadDim, class Mask, bool kShortSeq>
+cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
+  return params.is_varlen() ? launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, true>(params, stream)
+                            : launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, false>(params, stream);
+}
+
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
-// both lengths are short enough (traits.h), the general one otherwise.
+// both lengths (for packed batches, the longest sequence's) are short enough (traits.h),
+// the general one otherwise.
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, Mask::kIsCausal>;
     if (params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen) {
-      return launch_fwd_tiles<Element, kHeadDim, Mask, true>(params, stream);
+      return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream);
     }
   }
-  return launch_fwd_tiles<Element, kHeadDim, Mask, false>(params, stream);
+  return launch_fwd_layout<Element, kHeadDim, Mask, false>(params, stream);
 }
 
 }  // namespace flash3
 
-// One explicit instantiation per translation unit (csrc/instantiations/): the general
-// tile here; the short-sequence tile, where there is one, in a file of its own
-// (FLASH3_INSTANTIATE_FWD_SHORT_SEQ), so the two compile in parallel.
-#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK)                                                          \
-  extern template cudaError_t flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, true>(flash3::FwdParams const&, \
-                                                                                         cudaStream_t);    \
+// One explicit instantiation per translation unit (csrc/instantiations/): run_fwd with the
+// general dense kernel; each other kernel (short-sequence tile, packed batches) in a file
+// of its own, so that they compile in parallel.
+#define FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN) \
+  flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, SHORT, VARLEN>(flash3::FwdParams const&, cudaStream_t)
+#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK)                                      \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, true, false);      \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, true, true);       \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, false, true);      \
   template cudaError_t flash3::run_fwd<ELEMENT, HDIM, flash3::MASK>(flash3::FwdParams const&, cudaStream_t);
-#define FLASH3_INSTANTIATE_FWD_SHORT_SEQ(ELEMENT, HDIM, MASK) \
-  template cudaError_t flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, true>(flash3::FwdParams const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN) \
+  template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN);

@@ -51,9 +51,6 @@ struct FwdParams {
 
   // Multiprocessors of the device, for grid sizing of persistent schedulers.
   int num_sms = 0;
-  // A forced section size for the tile order of the causal kernels that run one CTA per
-  // tile (scheduler.h); 0: derived from the tile count.
-  int head_section = 0;
 
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE SeqLayout seq_layout() const { return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k}; }

@@ -26,19 +26,14 @@ CUTLASS_HOST_DEVICE SectionedTile sectioned_tile(int tile, int per_head, int sec
 // How many (batch, head) pairs a section holds: the largest power of two whose heads'
 // tiles fit on the SMs at one tile each, so that every head of a section starts its
 // longest tile in the first round; 1 where one head has more tiles than half the SMs
-// (then head by head already fills the GPU with one head's tiles). `forced` > 0
-// overrides it (FLASH3_HEAD_SECTION, for A/B runs; 1 gives the plain head-by-head order).
+// (then head by head already fills the GPU with one head's tiles).
 // Measured on the H200 (causal, bf16, one process; docs/performance.md): forward +2..+9%
 // at 2k-8k tokens, backward +2..+4% at 2k-4k; at 16k tokens, where this gives 1, no size
 // gained (and 16 lost 10% in the backward); sizes that are not powers of two gained less
 // or lost.
-inline int section_size(int tiles_per_head, int num_sms, int num_bh, int forced) {
+inline int section_size(int tiles_per_head, int num_sms, int num_bh) {
   int n = 1;
-  if (forced > 0) {
-    n = forced;
-  } else {
-    while (2 * n * tiles_per_head <= num_sms) { n *= 2; }
-  }
+  while (2 * n * tiles_per_head <= num_sms) { n *= 2; }
   return n < num_bh ? n : (num_bh > 0 ? num_bh : 1);
 }
 
@@ -91,8 +86,8 @@ struct TileScheduler {
 
   static constexpr bool kSectioned = !kPersistent && kLongestFirst;
 
-  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms = 0, int forced_section = 0) {
-    int const section = kSectioned ? section_size(num_m_blocks, num_sms, nheads * batch, forced_section) : 1;
+  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms = 0) {
+    int const section = kSectioned ? section_size(num_m_blocks, num_sms, nheads * batch) : 1;
     return {num_m_blocks, nheads, num_m_blocks * nheads * batch, section};
   }
 

@@ -41,8 +41,19 @@ struct SeqLayout {
 
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
 
+  // kVarlen known at compile time (the forward kernels): a dense batch's lengths stay
+  // kernel parameters (operands from the constant bank), not registers.
+  template <bool kVarlen>
   CUTLASS_DEVICE Seq at(int b) const {
-    if (cu_seqlens_q == nullptr) { return {seqlen_q, seqlen_k, 0, 0, b, 0}; }
+    if constexpr (!kVarlen) {
+      return {seqlen_q, seqlen_k, 0, 0, b, 0};
+    } else {
+      return at_packed(b);
+    }
+  }
+  CUTLASS_DEVICE Seq at(int b) const { return cu_seqlens_q == nullptr ? at<false>(b) : at_packed(b); }
+
+  CUTLASS_DEVICE Seq at_packed(int b) const {
     int const begin_q = cu_seqlens_q[b];
     int const begin_k = cu_seqlens_k[b];
     int const len_q = seqused_q != nullptr ? seqused_q[b] : cu_seqlens_q[b + 1] - begin_q;
