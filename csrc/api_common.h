@@ -141,8 +141,6 @@ inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor c
   set_tensor(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, v);
   set_tensor(params.o_ptr, params.o_batch_stride, params.o_row_stride, params.o_head_stride, out);
   params.lse_ptr = lse.data_ptr<float>();
-  params.lse_batch_stride = lse.stride(0);
-  params.lse_head_stride = lse.stride(1);
   params.batch = static_cast<int>(q.size(0));
   params.seqlen_q = static_cast<int>(q.size(1));
   params.seqlen_k = static_cast<int>(k.size(1));

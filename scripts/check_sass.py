@@ -57,6 +57,16 @@ KNOWN_BWD_SPILLS = {}
 # hdim 256 causal 13, its persistent short-sequence kernel 9 (26 and 26 before); non-causal
 # 0, its persistent short-sequence kernel 4.
 KNOWN_FP8_SPILLS = {(256, True): 13, (256, False): 4}
+# The forward kernels for packed (variable-length) batches, (head dim, causal, short tile)
+# -> the most LDL + STL: they read each tile's sequence extent at run time, and the
+# persistent hdim 256 short non-causal kernel, whose dense twin uses every register, keeps
+# a few values in local memory (outside the key loop).
+KNOWN_VARLEN_SPILLS = {}
+
+
+def is_varlen(name: str) -> bool:
+    """flash_fwd_kernel<FlashFwdKernel<Traits, Mask, kVarlen = true>>."""
+    return re.search(r"MaskELb1E", name) is not None
 
 
 def kernel_config(name: str):
@@ -149,6 +159,9 @@ def main():
             required = [r for r in required_all if not (r in NAMED_BARRIERS and without_pingpong)]
             local = sum(counts[f] for f in FORBIDDEN)
             allowed = {"bwd": KNOWN_BWD_SPILLS, "fp8": KNOWN_FP8_SPILLS}.get(kind, {}).get(kernel_config(name), 0)
+            varlen = kind == "fwd" and is_varlen(name)
+            if varlen:
+                allowed = KNOWN_VARLEN_SPILLS.get(fwd_config(name), 0)
             under_gemm = ex2_under_gemm(body)
             ok = all(counts[r] > 0 for r in required) and local <= allowed
             kind_failed |= not ok
@@ -159,9 +172,9 @@ def main():
                 short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",
                                             "", name)[:54]
             extra = f"  {counts['LDSM.16.MT88']} {counts['STSM.16.M88']}" if kind == "fp8" else ""
-            note = "" if ok else "  FAIL"
+            note = ("  varlen" if varlen else "") + ("" if ok else "  FAIL")
             if ok and local:
-                note = f"  known spill (<= {allowed})"
+                note += f"  known spill (<= {allowed})"
             print(f"{short:<60} " + " ".join(f"{counts[r]:>10}" for r in REQUIRED + FORBIDDEN + INFO)
                   + f" {under_gemm:>10}" + extra + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if kind_failed else 'ok'}")

@@ -33,13 +33,14 @@ struct EpilogueFwd {
   struct Params {
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
-    float* lse_ptr;
-    int64_t lse_batch_stride, lse_head_stride;
+    float* lse_ptr;  // (batch, nheads, lse_rows): a packed batch has batch 1 and lse_rows = total_q
+    int nheads;
+    int lse_rows;
   };
 
   static Params to_params(FwdParams const& p) {
     return {static_cast<Element*>(p.o_ptr), p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-            p.lse_ptr, p.lse_batch_stride, p.lse_head_stride};
+            p.lse_ptr, p.nheads, p.rows_q()};
   }
 
   // Row 0 of the sequence's O for this head, and of its lse.
@@ -48,7 +49,7 @@ struct EpilogueFwd {
            int64_t(seq.offset_q) * params.o_row_stride;
   }
   CUTLASS_DEVICE static float* lse_rows(Params const& params, int head, Seq const& seq) {
-    return params.lse_ptr + seq.batch * params.lse_batch_stride + head * params.lse_head_stride + seq.offset_q;
+    return params.lse_ptr + (int64_t(seq.batch) * params.nheads + head) * params.lse_rows + seq.offset_q;
   }
 
   template <class TensorO, class TensorLse>
@@ -235,8 +236,10 @@ struct EpilogueFwdTma {
   // sequence's rows from `row` on, 16 bytes per lane and store. The swizzle (of 16-byte
   // units) keeps each 16-byte chunk of a row contiguous.
   template <class SmemLayout>
-  CUTLASS_DEVICE static void store_rows_from_smem(Params const& params, Element const* smem_o, int buffer_row0,
+  CUTLASS_DEVICE static void store_rows_from_smem(Params const& params, Element* smem_o, int buffer_row0,
                                                   int row, int rows, int head, Seq const& seq) {
+    // Through a tensor: the layout's swizzle is applied where the pointer meets it.
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayout{});
     constexpr int kVec = 16 / sizeof(Element);
     constexpr int kChunksPerRow = kHeadDim / kVec;
     Element* o_tile = Direct::o_rows(params.direct, head, seq);
@@ -249,7 +252,7 @@ struct EpilogueFwdTma {
       int const col = chunk % kChunksPerRow * kVec;
       if (r < rows) {
         *reinterpret_cast<uint4*>(o_tile + int64_t(row + r) * params.direct.o_row_stride + col) =
-            *reinterpret_cast<uint4 const*>(smem_o + SmemLayout{}(buffer_row0 + r, col));
+            *reinterpret_cast<uint4 const*>(raw_pointer_cast(&sO(buffer_row0 + r, col)));
       }
     }
   }

@@ -115,11 +115,21 @@ struct FlashBwdKernel {
     int const lane_predicate = cute::elect_one_sync();
     TileCoord const tile = tile_of(params);
     int const n_block = tile.n_block, head = tile.head;
-    Seq const seq = params.mainloop.seqs.at(tile.batch);
+    SeqLayout const& seqs = params.mainloop.seqs;
     // Packed batches: the grid covers the longest sequence's key tiles.
     if constexpr (kClusterN == 1) {
-      if (!Mainloop::has_keys(seq, n_block)) { return; }
+      if (!Mainloop::has_keys(seqs.at(tile.batch), n_block)) { return; }
     }
+    // The producer warps (24 registers) get the sequence as compile-time dense or packed
+    // (a dense batch's lengths then stay kernel parameters); the consumers read it at run
+    // time, and afresh after the mainloop rather than keep it in registers across it.
+    auto with_seq = [&](auto&& f) {
+      if (seqs.is_varlen()) {
+        f(seqs.template at<true>(tile.batch));
+      } else {
+        f(seqs.template at<false>(tile.batch));
+      }
+    };
 
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
@@ -166,10 +176,12 @@ struct FlashBwdKernel {
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
         PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
-        Mainloop::load(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                       write_q, write_do, n_block, head, seq);
+        with_seq([&](Seq const& seq) {
+          Mainloop::load(params.mainloop, storage.mainloop, pipeline_q, pipeline_do, write_q, write_do, n_block, head,
+                         seq);
+        });
       } else if (warp_idx == 1) {
-        Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, seq);
+        with_seq([&](Seq const& seq) { Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, seq); });
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
@@ -180,7 +192,8 @@ struct FlashBwdKernel {
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
                                            select<0, 1>(typename Traits::TileShapedKV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seq);
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
+      Seq const seq = seqs.at(tile.batch);
       if (kClusterN > 1 && !Mainloop::has_keys(seq, n_block)) { return; }  // the cluster's padding
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, seq);

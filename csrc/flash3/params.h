@@ -17,10 +17,9 @@ struct FwdParams {
   void const* k_ptr = nullptr;
   void const* v_ptr = nullptr;
   void* o_ptr = nullptr;
-  // Float32: (batch, nheads, seqlen_q) for dense batches, (nheads, total_q) for packed
-  // ones; element (b, h, row) at b * lse_batch_stride + h * lse_head_stride + row.
+  // Float32, contiguous: (batch, nheads, seqlen_q) for dense batches, (nheads, total_q)
+  // for packed ones.
   float* lse_ptr = nullptr;
-  int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
@@ -55,9 +54,9 @@ struct FwdParams {
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE SeqLayout seq_layout() const { return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k}; }
   // The row and batch extents of the tensors as TMA sees them (tma.h).
-  int rows_q() const { return is_varlen() ? total_q : seqlen_q; }
-  int rows_k() const { return is_varlen() ? total_k : seqlen_k; }
-  int tensor_batch() const { return is_varlen() ? 1 : batch; }
+  CUTLASS_HOST_DEVICE int rows_q() const { return is_varlen() ? total_q : seqlen_q; }
+  CUTLASS_HOST_DEVICE int rows_k() const { return is_varlen() ? total_k : seqlen_k; }
+  CUTLASS_HOST_DEVICE int tensor_batch() const { return is_varlen() ? 1 : batch; }
 };
 
 // The query-tile height of the backward kernel of a head dim. The binding sizes the dQ

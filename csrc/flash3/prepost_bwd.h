@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
     return;
   }
   int64_t const lse_idx =
-      seq.batch * params.lse_batch_stride + head * params.lse_head_stride + seq.offset_q + row;
+      (int64_t(seq.batch) * params.nheads + head) * params.rows_q() + seq.offset_q + row;
   float const lse = params.lse_ptr[lse_idx];
   if (params.dlse_ptr != nullptr) { sum -= params.dlse_ptr[lse_idx]; }
   params.dpsum_ptr[out_idx] = sum;
