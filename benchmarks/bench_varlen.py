@@ -33,11 +33,23 @@ HIDDEN = 2048
 BWD_FLOP_FACTOR = 2.5
 
 
-def graph_ms(fn, calls=10, replays=15):
-    """Median milliseconds of one call of fn, timed as CUDA-graph replays of `calls` calls."""
+def graph_ms(fn, calls=None, replays=None):
+    """Median milliseconds of one call of fn, timed as CUDA-graph replays of `calls` calls
+    (by default as many as take about 2 ms, at most 10; fewer replays for long calls, such
+    as those on padded batches)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    once = start.elapsed_time(end)
+    if calls is None:
+        calls = max(1, min(10, int(2.0 / max(once, 1e-3))))
+    if replays is None:
+        replays = 15 if once < 5 else 5
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

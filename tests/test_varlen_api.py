@@ -71,3 +71,25 @@ def test_validate_seqlens(cu_q, used_q, max_q, words):
 def test_validate_seqlens_accepts_valid():
     cu = torch.tensor([0, 0, 3, 10], dtype=torch.int32)
     validate_seqlens(10, 10, cu, cu, 7, 7, seqused_q=torch.tensor([0, 2, 7], dtype=torch.int32))
+
+
+def _meta_varlen():
+    q = torch.empty(10, 4, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(12, 2, 64, dtype=torch.bfloat16, device="meta")
+    cu_q = torch.empty(3, dtype=torch.int32, device="meta")
+    cu_k = torch.empty(3, dtype=torch.int32, device="meta")
+    return q, k, k.clone(), cu_q, cu_k
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.flash3, "fwd_varlen"), reason="the compiled extension is not loaded")
+def test_varlen_fake_impls_on_meta():
+    q, k, v, cu_q, cu_k = _meta_varlen()
+    out, lse = torch.ops.flash3.fwd_varlen(q, k, v, cu_q, cu_k, None, None, 6, 7, 0.125, True, False)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (4, 10) and lse.dtype == torch.float32
+    torch.library.opcheck(torch.ops.flash3.fwd_varlen.default,
+                          (q, k, v, cu_q, cu_k, None, None, 6, 7, 0.125, True, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    dq, dk, dv = torch.ops.flash3.bwd_varlen(out, q, k, v, out, lse, None, cu_q, cu_k, None, None, 6, 7, 0.125,
+                                             True, False)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
