@@ -126,11 +126,7 @@ def test_backward_sectioned_tile_order(seed, d):
 # Odd key-tile counts (401 keys: 7 tiles of 64; 135: 3), both masks, deterministic mode,
 # GQA (dk and dv summed over the group) and a partial section of (batch, head) pairs at
 # hdim 192/256: on 132 SMs a causal section holds 16 pairs at 7 key tiles per head and 32
-# at 3, so 2 x 18 pairs leave a partial one at both lengths. In a build with clusters of
-# two key tiles (traits_bwd.h kClusterN, an A/B option) these are the cases its pairing
-# must get right: the last cluster's CTA without keys; under the causal mask the pair
-# walks from the first query tile its first key tile sees, which the second does not see
-# (it must add nothing to dq, and take no turn in deterministic mode).
+# at 3, so 2 x 18 pairs leave a partial one at both lengths.
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(333, 401), (577, 135)], ids=["333x401", "577x135"])

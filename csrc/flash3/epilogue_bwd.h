@@ -1,7 +1,8 @@
 // The backward epilogue: the CTA's dK (scaled by softmax_scale) and dV to global memory.
 // 16-bit outputs are staged in shared memory over K and V (dead by then) and written with
-// one TMA store each, which skips rows past seqlen_k (Traits::kTmaStoredKV; else, as for
-// float32, straight from the accumulators). Under GQA every query head writes its
+// one TMA store each, which skips rows past seqlen_k (a packed batch's partial last key
+// tile, whose next rows are the next sequence's, goes straight from the accumulators, as
+// float32 outputs do). Under GQA every query head writes its
 // own float32 dK/dV straight from the accumulators, and the binding sums the heads of a
 // group.
 #pragma once
@@ -85,9 +86,7 @@ struct EpilogueBwd {
   template <class TensordKV>
   CUTLASS_DEVICE static void store(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV, Element* smem_k,
                                    Element* smem_v, int thread_idx, int n_block, int head, Seq const& seq) {
-    if constexpr (!Traits::kTmaStoredKV) {
-      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
-    } else if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
+    if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
       // (In a packed batch the rows past the sequence's last key are the next sequence's.)
       store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
     } else {

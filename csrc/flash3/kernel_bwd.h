@@ -35,7 +35,6 @@ struct FlashBwdKernel {
   using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
 
   static constexpr int kThreads = Traits::kThreads;
-  static constexpr int kClusterN = Traits::kClusterN;
 
   // The kernel's barriers live in the mainloop's storage, so that its size is rounded up
   // to the 1 KB alignment of the tiles only once (hdim 64 has no 1 KB to spare).
@@ -49,11 +48,8 @@ struct FlashBwdKernel {
   // share its Q and dO through L2; under the causal mask tile 0 sees every query tile,
   // so the longest go first. Causal tiles (not deterministic) go in sections of heads,
   // longest first across the section (scheduler.h), with a one-dimensional grid.
-  // With clusters (kClusterN key tiles, traits_bwd.h) the key tiles go in groups of
-  // kClusterN: the grid's x is rounded up to a multiple of it (the last group's extra CTA,
-  // if any, has no keys) and the sections order the groups.
   struct Order {
-    int num_n_blocks;  // rounded up to a multiple of kClusterN
+    int num_n_blocks;
     int nheads;
     int num_bh;
     int section;  // 0: the grid is (key tile, head, batch)
@@ -66,7 +62,7 @@ struct FlashBwdKernel {
   };
 
   static Order order_of(BwdParams const& p) {
-    int const num_n_blocks = (p.seqlen_k + Traits::kBlockN * kClusterN - 1) / (Traits::kBlockN * kClusterN) * kClusterN;
+    int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     int section = 0;
     if (Mask::kIsCausal && !p.deterministic) {
       section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads);
@@ -97,9 +93,8 @@ struct FlashBwdKernel {
     if constexpr (Mask::kIsCausal) {
       Order const& order = params.order;
       if (order.section > 0) {
-        int const group = int(blockIdx.x) / kClusterN;
-        SectionedTile const st = sectioned_tile(group, order.num_n_blocks / kClusterN, order.section, order.num_bh);
-        return {st.rank * kClusterN + int(blockIdx.x) % kClusterN, st.bh % order.nheads, st.bh / order.nheads};
+        SectionedTile const st = sectioned_tile(int(blockIdx.x), order.num_n_blocks, order.section, order.num_bh);
+        return {st.rank, st.bh % order.nheads, st.bh / order.nheads};
       }
     }
     bool const deterministic = params.mainloop.dq_semaphore != nullptr;
@@ -117,9 +112,7 @@ struct FlashBwdKernel {
     int const n_block = tile.n_block, head = tile.head;
     SeqLayout const& seqs = params.mainloop.seqs;
     // Packed batches: the grid covers the longest sequence's key tiles.
-    if constexpr (kClusterN == 1) {
-      if (!Mainloop::has_keys(seqs.at(tile.batch), n_block)) { return; }
-    }
+    if (!Mainloop::has_keys(seqs.at(tile.batch), n_block)) { return; }
     // The producer warps (24 registers) get the sequence as compile-time dense or packed
     // (a dense batch's lengths then stay kernel parameters); the consumers read it at run
     // time, and afresh after the mainloop rather than keep it in registers across it.
@@ -139,7 +132,7 @@ struct FlashBwdKernel {
           storage.mainloop.barrier_dq_full[stage][warpgroup].init(/*arrive_count=*/cutlass::NumThreadsPerWarpGroup);
         }
         for (int half = 0; half < Mainloop::SharedStorage::kDqReadBarriers; ++half) {
-          storage.mainloop.barrier_dq_read[stage][half].init(/*arrive_count=*/kClusterN);  // every CTA's dQ warp
+          storage.mainloop.barrier_dq_read[stage][half].init(/*arrive_count=*/1);  // the dQ warp
         }
       }
       for (int buffer = 0; buffer < Traits::kPdSStages; ++buffer) {
@@ -157,19 +150,12 @@ struct FlashBwdKernel {
       pipeline_params.role = PipelineQ::ThreadCategory::Consumer;
       pipeline_params.is_leader = 0;
     }
-    // In a cluster a stage's empty barrier counts the consumer warpgroups of every CTA.
-    PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, typename Traits::ClusterShape{});
+    PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
     static_assert(Traits::kBytesdO == Traits::kBytesQ);
-    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, typename Traits::ClusterShape{});
+    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
 
-    // Barrier and pipeline initialisation must be visible to every thread before use (in
-    // a cluster, to every CTA's threads: they arrive on this CTA's barriers and multicast
-    // into its shared memory).
-    if constexpr (kClusterN > 1) {
-      cute::cluster_sync();
-    } else {
-      __syncthreads();
-    }
+    // Barrier and pipeline initialisation must be visible to every thread before use.
+    __syncthreads();
 
     if (role == WarpGroupRole::Producer) {
       cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
@@ -194,7 +180,6 @@ struct FlashBwdKernel {
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
       Seq const seq = seqs.at(tile.batch);
-      if (kClusterN > 1 && !Mainloop::has_keys(seq, n_block)) { return; }  // the cluster's padding
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, seq);
     }

@@ -22,7 +22,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   if (err != cudaSuccess) { return err; }
 
   err = launch_with_smem(&flash_bwd_kernel<Kernel>, Kernel::grid(params), Kernel::kThreads, Kernel::kSharedStorageSize,
-                         stream, Kernel::to_params(params), Kernel::kClusterN);
+                         stream, Kernel::to_params(params));
   if (err != cudaSuccess) { return err; }
 
   return run_bwd_postprocess<typename Kernel::Traits>(params, stream);

@@ -18,26 +18,4 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, dim3 block, int 
   return cudaGetLastError();
 }
 
-// The same with clusters of cluster_x CTAs along the grid's x (grid.x a multiple of it).
-template <class Params>
-cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
-                             Params const& params, int cluster_x) {
-  if (cluster_x == 1) { return launch_with_smem(kernel, grid, block, smem_bytes, stream, params); }
-  cudaError_t const err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err != cudaSuccess) { return err; }
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_x;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, params);
-}
-
 }  // namespace flash3

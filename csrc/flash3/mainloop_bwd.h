@@ -38,7 +38,6 @@ struct MainloopBwd {
   using PipelinedO = typename Traits::PipelinedO;
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
-  static constexpr int kClusterN = Traits::kClusterN;
   static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
   // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
@@ -48,17 +47,14 @@ struct MainloopBwd {
   using ShapeRow = Shape<int32_t, int32_t, int32_t>;
   using StrideRow = Stride<_1, int64_t, int64_t>;
 
-  // Q, dO and the row statistics are shared by the cluster's CTAs (traits_bwd.h kClusterN).
   static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
-    return make_tma_shared_by_cluster<kClusterN>(ptr, shape, stride, take<0, 2>(SmemLayoutQ{}),
-                                                 select<0, 2>(TileShapeSdP{}));
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}));
   }
-  using ProducerBarrier = typename PipelineQ::ProducerBarrierType;
   static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}));
   }
   static auto make_tma_row(float const* ptr, ShapeRow const& shape, StrideRow const& stride) {
-    return make_tma_shared_by_cluster<kClusterN>(ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideRowsHead{}));
   using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideRowsHead{}));
@@ -83,9 +79,8 @@ struct MainloopBwd {
     // one. One per warpgroup, so that neither waits for the other's dQ.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
     // Without kDqViaSmem: the dQ half over Q stage s ([s][0], warpgroup 0's) or over dO
-    // stage s ([s][1]) has been read by the dQ warp's bulk reduction, in every CTA of the
-    // cluster (each dQ warp arrives on all of them): the producers refill a stage in all
-    // of them at once. One per half, so that Q is refilled while the second half is read.
+    // stage s ([s][1]) has been read by the dQ warp's bulk reduction: the producer refills
+    // the stage after it. One per half, so that Q is refilled while the second half is read.
     static constexpr int kDqReadBarriers = Traits::kDqViaSmem ? 1 : 2;  // (unused with kDqViaSmem)
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages][kDqReadBarriers];
     // kSplitKeys: both consumer warpgroups' halves of dS^T are in buffer b (every consumer
@@ -157,14 +152,6 @@ struct MainloopBwd {
   }
   CUTLASS_DEVICE static int m_block_end(Seq const& seq) { return (seq.seqlen_q + kBlockM - 1) / kBlockM; }
 
-  // The first query tile the CTA walks: the cluster's CTAs walk the same ones (they share
-  // each tile's loads), from the first that sees the cluster's first key tile. Those
-  // before the CTA's own m_block_begin are wholly masked for it: they add nothing to dK
-  // and dV, and the dQ warp adds nothing from them (store_dq). Likewise, where the key
-  // tiles are odd in number, for the last cluster's second CTA, which has no keys.
-  CUTLASS_DEVICE static int m_block_first(Seq const& seq, int n_block) {
-    return m_block_begin(seq, n_block - n_block % kClusterN);
-  }
   CUTLASS_DEVICE static bool has_keys(Seq const& seq, int n_block) { return n_block * kBlockN < seq.seqlen_k; }
 
   // The last key tile that query tile m_block sees (the inverse of m_block_begin: tile n
@@ -186,7 +173,7 @@ struct MainloopBwd {
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                   PipelineState& write_q, PipelineState& write_do,
                                   int n_block, int head, Seq const& seq) {
-    int const m_begin = m_block_first(seq, n_block);
+    int const m_begin = m_block_begin(seq, n_block);
     int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
     int const head_kv = head / params.head_group;
@@ -214,29 +201,13 @@ struct MainloopBwd {
     Tensor gLSE = local_tile(mLSE, Shape<Int<kBlockM>>{}, make_coord(_));      // (M, m)
     Tensor gdPsum = local_tile(mdPsum, Shape<Int<kBlockM>>{}, make_coord(_));  // (M, m)
 
-    // This CTA's slice of the shared tiles; the multicast writes it to every CTA.
-    auto const cta = [] {
-      if constexpr (kClusterN > 1) {
-        return int(cute::block_rank_in_cluster());
-      } else {
-        return _0{};
-      }
-    }();
-    auto const cluster = Layout<Int<kClusterN>>{};
-    uint16_t const mcast_mask = (1u << kClusterN) - 1;
-    auto shared_by_cluster = [&](auto const& tma, ProducerBarrier* mbar) {
-      if constexpr (kClusterN > 1) {
-        return tma.with(*mbar, mcast_mask);
-      } else {
-        return tma.with(*mbar);
-      }
-    };
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, cta, cluster, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, cta, cluster, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    auto [tLgL, tLsL] = tma_partition(params.tma_lse, cta, cluster, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
-    auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, cta, cluster, group_modes<0, 1>(sdPsum), group_modes<0, 1>(gdPsum));
+    auto [tLgL, tLsL] = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLSE), group_modes<0, 1>(gLSE));
+    auto [tDgD, tDsD] = tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sdPsum),
+                                      group_modes<0, 1>(gdPsum));
 
     storage.barrier_kv.arrive_and_expect_tx(Traits::kBytesKV);
     auto& kv_mbar = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(storage.barrier_kv);
@@ -247,45 +218,28 @@ struct MainloopBwd {
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
       // The stages were last used by tile m - kStages, whose dQ the dQ warp reads from them.
       [[maybe_unused]] int const uses = m_block - m_begin - Traits::kStages;
-      // In a cluster the stage is free once the consumers of every CTA have released it
-      // (the pipelines count their arrivals); each CTA's full barrier expects the whole
-      // tile, its own slice and the others'.
       // Without kDqViaSmem the dQ half over the dO stage is handed over and read first
       // (store_dq), so dO is loaded first, each stage once its dQ half has been read.
       if constexpr (!Traits::kDqViaSmem) {
         if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
         pipeline_do.producer_acquire(write_do);  // LOCK dO stage
         auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
-        copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
-        copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+        copy(params.tma_do.with(*do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+        copy(params.tma_dpsum.with(*do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
         ++write_do;
         if (uses >= 0) { storage.barrier_dq_read[write_q.index()][0].wait((uses / Traits::kStages) & 1); }
       }
       pipeline_q.producer_acquire(write_q);  // LOCK Q stage
       auto* q_mbar = pipeline_q.producer_get_barrier(write_q);
-      copy(shared_by_cluster(params.tma_q, q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-      copy(shared_by_cluster(params.tma_lse, q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
+      copy(params.tma_q.with(*q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+      copy(params.tma_lse.with(*q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
       ++write_q;
       if constexpr (Traits::kDqViaSmem) {
         pipeline_do.producer_acquire(write_do);  // LOCK dO stage
         auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
-        copy(shared_by_cluster(params.tma_do, do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
-        copy(shared_by_cluster(params.tma_dpsum, do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
+        copy(params.tma_do.with(*do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+        copy(params.tma_dpsum.with(*do_mbar), tDgD(_, m_block), tDsD(_, write_do.index()));
         ++write_do;
-      }
-    }
-    if constexpr (kClusterN > 1) {
-      // The other CTAs' consumers and dQ warps arrive on this CTA's barriers until their
-      // last tile: it must not exit (and its shared memory go to a new CTA) before every
-      // such arrival has landed.
-      pipeline_q.producer_tail(write_q);
-      pipeline_do.producer_tail(write_do);
-      if constexpr (!Traits::kDqViaSmem) {
-        int const n_tiles = m_end - m_begin;
-        for (int u = max(n_tiles - Traits::kStages, 0); u < n_tiles; ++u) {
-          storage.barrier_dq_read[u % Traits::kStages][0].wait((u / Traits::kStages) & 1);
-          storage.barrier_dq_read[u % Traits::kStages][1].wait((u / Traits::kStages) & 1);
-        }
       }
     }
   }
@@ -312,11 +266,7 @@ struct MainloopBwd {
   // 64-row query tiles carry dS^T's registers into the next turn (mma_split_keys); at
   // 128 rows that made ptxas serialise the WGMMAs for want of registers (measured 7-15%
   // slower at hdim 64).
-#ifdef FLASH3_BWD_DK_INTO_NEXT_TURN  // timing experiments only
-  static constexpr bool kDkIntoNextTurn = FLASH3_BWD_DK_INTO_NEXT_TURN;
-#else
   static constexpr bool kDkIntoNextTurn = kBlockM <= 64;
-#endif
 
   // kSplitKeys: each warpgroup computes S^T and dP^T for its kBlockN / 2 keys against the
   // whole query tile and keeps P^T and dS^T in registers as the A operands of dV and dK.
@@ -331,7 +281,7 @@ struct MainloopBwd {
                                             int thread_idx, int n_block, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_first(seq, n_block);
+    int const m_begin = m_block_begin(seq, n_block);
     int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
 
@@ -598,7 +548,7 @@ struct MainloopBwd {
                                           int thread_idx, int n_block, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
-    int const m_begin = m_block_first(seq, n_block);
+    int const m_begin = m_block_begin(seq, n_block);
     int const m_end = m_block_end(seq);
     if (m_begin >= m_end) { return; }
 
@@ -782,11 +732,8 @@ struct MainloopBwd {
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head,
                                       Seq const& seq) {
     // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
-    int const m_begin = m_block_first(seq, n_block);
+    int const m_begin = m_block_begin(seq, n_block);
     int const m_end = m_block_end(seq);
-    // Query tiles the cluster walks but this key tile does not see (m_block_first) add
-    // nothing: no reduction, no turn in deterministic mode.
-    int const m_own_begin = has_keys(seq, n_block) ? m_block_begin(seq, n_block) : m_end;
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int64_t const head_tile0 = (int64_t(seq.batch) * params.nheads + head) * params.dq_m_blocks + seq.offset_q_padded / kBlockM;
     constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
@@ -801,8 +748,7 @@ struct MainloopBwd {
           Traits::kDqViaSmem ? storage.smem_dq.data() + Traits::kDqElements / 2
                              : reinterpret_cast<float const*>(storage.smem_do.data() + stage * kStageElements)};
       float* dq_tile = params.dq_accum + (head_tile0 + m_block) * Traits::kDqElements;
-      bool const adds = kClusterN == 1 || m_block >= m_own_begin;
-      int* semaphore = params.dq_semaphore != nullptr && adds ? params.dq_semaphore + head_tile0 + m_block : nullptr;
+      int* semaphore = params.dq_semaphore != nullptr ? params.dq_semaphore + head_tile0 + m_block : nullptr;
       int turn = 0;  // deterministic: how many key tiles add to this query tile before this one
       CUTE_UNROLL
       for (int i = 0; i < 2; ++i) {
@@ -815,9 +761,7 @@ struct MainloopBwd {
             // Order the acquire before the (async-proxy) reductions below.
             asm volatile("fence.proxy.async.global;" ::: "memory");
           }
-#ifndef FLASH3_BWD_SKIP_DQ  // defined only in timing experiments: what adding dQ costs
-          if (adds) { bulk_reduce_add(dq_tile + half * (Traits::kDqElements / 2), halves[half], kHalfBytes); }
-#endif
+          bulk_reduce_add(dq_tile + half * (Traits::kDqElements / 2), halves[half], kHalfBytes);
           cute::tma_store_arrive();  // one bulk group per half
         }
       }
@@ -857,12 +801,7 @@ struct MainloopBwd {
   }
 
   CUTLASS_DEVICE static void release_dq_read(SharedStorage& storage, int stage, int half) {
-    if constexpr (kClusterN > 1) {
-      CUTE_UNROLL
-      for (int cta = 0; cta < kClusterN; ++cta) { storage.barrier_dq_read[stage][half].arrive(cta); }
-    } else {
-      storage.barrier_dq_read[stage][half].arrive();
-    }
+    storage.barrier_dq_read[stage][half].arrive();
   }
 
   // global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group).

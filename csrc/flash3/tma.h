@@ -31,20 +31,6 @@ auto make_tma(CopyOp const& op, T* ptr, GShape const& shape, GStride const& stri
   return make_tma_copy(op, make_tensor(make_gmem_ptr(ptr), shape, stride), smem_layout, box, /*cluster_size=*/_1{});
 }
 
-// A TMA load whose box is shared by the kCtas CTAs of a cluster: each CTA loads a
-// 1/kCtas slice (tma_partition by its rank) and multicasts it to all of them, so the box
-// is read from L2 once for the cluster. kCtas == 1 is a plain load.
-template <int kCtas, class T, class GShape, class GStride, class SmemLayout, class Box>
-auto make_tma_shared_by_cluster(T* ptr, GShape const& shape, GStride const& stride, SmemLayout const& smem_layout,
-                                Box const& box) {
-  if constexpr (kCtas == 1) {
-    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, smem_layout, box);
-  } else {
-    return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), shape, stride), smem_layout, box,
-                         Int<kCtas>{});
-  }
-}
-
 // The forward kernels' loads (16-bit and FP8 alike): Q as one (kBlockM x d) box per tile,
 // K and V as one (kBlockN x d) box per pipeline stage. V is stored with K's shared-memory
 // layout (traits.h, traits_fp8.h). A mainloop's Params derive from this.

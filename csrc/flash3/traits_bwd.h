@@ -69,11 +69,7 @@ struct BwdKernelTraits {
   // (kBlockM * d 16-bit values); the producer then refills a stage only after the dQ
   // warp has read it. (Consumer-side float4 atomics instead were measured 15-20% slower
   // at hdim 64/128 and 2x slower at hdim 256.)
-#ifdef FLASH3_BWD_DQ_VIA_SMEM
-  static constexpr bool kDqViaSmem = FLASH3_BWD_DQ_VIA_SMEM;
-#else
   static constexpr bool kDqViaSmem = kHeadDim != 256;
-#endif
 
   // kSplitKeys (hdim <= 128): each consumer warpgroup owns kBlockN / 2 keys for all five
   // GEMMs but dQ. It computes S^T = K Q^T and dP^T = V dO^T for its keys (rows), so P^T
@@ -84,41 +80,13 @@ struct BwdKernelTraits {
   // split the keys for S and dP but the head dim for dV and dK, so P and dS both go
   // through shared memory with a barrier each: the two warpgroups run in lockstep.)
   // Registers at hdim 128: dK + dV 128, S^T + dP^T 64, dQ 32.
-#ifdef FLASH3_BWD_SPLIT_KEYS
-  static constexpr bool kSplitKeys = FLASH3_BWD_SPLIT_KEYS && kHeadDim <= 128;
-#else
   static constexpr bool kSplitKeys = kHeadDim <= 128;
-#endif
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
 
-  // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h). hdim 64 stored
-  // them straight from registers at first (its staging code had made
-  // ptxas spill 8 bytes in the loop; with today's kernel and CUDA 13 it spills none):
-  // through TMA it measured +1..+7% (0.997 at non-causal 8k; causal 16k +4.0%),
-  // deterministic mode -0.6..+8.4% (H200 A/B, three passes each, bitwise-identical
-  // gradients). FLASH3_BWD_TMA_STORED_KV=0 restores the direct stores for A/B builds.
-#ifdef FLASH3_BWD_TMA_STORED_KV
-  static constexpr bool kTmaStoredKV = FLASH3_BWD_TMA_STORED_KV;
-#else
-  static constexpr bool kTmaStoredKV = true;
-#endif
-
-  // kClusterN = 2 (hdim 192/256 only, an A/B option: NVCC_APPEND_FLAGS=-DFLASH3_BWD_CLUSTER=2):
-  // the CTAs of adjacent key tiles (2p, 2p + 1) of one head form a cluster and walk the
-  // same query tiles; each loads half of every Q, dO, lse and dPsum tile and multicasts
-  // it to both, so L2 serves each such tile once per pair. It halves the L2 reads of the
-  // hdim 256 backward (ncu: 1.05e9 -> 0.56e9 sectors, L2 throughput 81% -> 71% of peak,
-  // non-causal 16k) but the pair's stages are refilled only when both CTAs are done with
-  // them (and, at hdim 256, both dQ warps have read the dQ written over them), and that
-  // coupling costs more than the reads: 0.90-0.97 of the single-CTA kernel at hdim 256,
-  // 0.95-1.00 at hdim 192, deterministic mode 0.75-0.86 (H200 A/B).
-#ifdef FLASH3_BWD_CLUSTER
-  static constexpr int kClusterN = kHeadDim > 128 ? FLASH3_BWD_CLUSTER : 1;
-#else
-  static constexpr int kClusterN = 1;
-#endif
-  static_assert(kClusterN == 1 || !kSplitKeys, "the pingpong (split-keys) loop does not share query tiles");
-  using ClusterShape = Shape<Int<kClusterN>, _1, _1>;
+  // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h): at hdim 64,
+  // against direct stores from registers, +1..+7% (docs/performance.md). One CTA per key
+  // tile: clusters of two sharing each query tile's loads were 0.90-1.00 of it at hdim
+  // 192/256 (docs/performance.md), and that code is gone.
 
   // Both GEMM families split a mode across the two warpgroups.
   using AtomLayoutSplitN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
