@@ -14,8 +14,11 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "barriers.h"
+#include "dq_writer_bwd.h"
 #include "epilogue_bwd.h"
 #include "mainloop_bwd.h"
+#include "mainloop_bwd_lockstep.h"
+#include "mainloop_bwd_split_keys.h"
 #include "scheduler.h"
 #include "traits_bwd.h"
 

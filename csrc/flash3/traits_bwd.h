@@ -58,7 +58,7 @@ struct BwdKernelTraits {
   // P and dS buffers. Lockstep (hdim 192/256): double-buffered, a warpgroup may write tile
   // m + 1's while the other still reads tile m's in its dV/dK/dQ GEMMs, so one barrier per
   // tile suffices. Split keys (pingpong, dQ two tiles late): three dS^T buffers
-  // (mainloop_bwd.h, issue_dq).
+  // (mainloop_bwd_split_keys.h, issue_dq).
   static constexpr int kPdSStages = kHeadDim <= 128 ? 3 : 2;
   // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace by a
   // warp of the producer warpgroup (the dQ warp) with bulk reductions from shared memory
@@ -125,7 +125,7 @@ struct BwdKernelTraits {
   // by reading its A operand (dS) from shared memory: 3 KB per 16-deep step against 4 KB
   // for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal +2..+4% from 2k
   // keys. Causal was 1-3% slower with the lockstep loop but is +1.5..+4% with the
-  // pingpong one (mainloop_bwd.h). 64-row tiles split the head dim.
+  // pingpong one (mainloop_bwd_split_keys.h). 64-row tiles split the head dim.
   static constexpr bool kDqSplitRows = kBlockM == 2 * 64;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TiledMmadQ = std::conditional_t<kDqSplitRows,
