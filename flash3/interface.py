@@ -60,39 +60,46 @@ def is_supported(kind: str, dtype, hdim: int, causal: bool) -> bool:
     return (kind, name, int(hdim), bool(causal)) in _built_kernels()
 
 
-def _fail(exc_type, name, value, supported):
-    raise exc_type(f"flash3.attention: {name} is {value}; supported: {supported}")
+def _fail(exc_type, name, value, supported, fn="flash3.attention"):
+    raise exc_type(f"{fn}: {name} is {value}; supported: {supported}")
 
 
-def _check_inputs(q, k, v, causal, softmax_scale):
-    # Types and shapes first, devices last: every argument error is reported the same way
-    # on a machine without a GPU.
+def _check_tensors(fn, q, k, v):
+    """Types, dtypes and shapes of q, k, v: (batch, seqlen, nheads, headdim) for
+    flash3.attention, (total, nheads, headdim) for a packed batch (3-D q)."""
+    packed = fn != "flash3.attention"
+    dims, layout = (3, "(total_tokens, nheads, headdim)") if packed else (4, "(batch, seqlen, nheads, headdim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
+            _fail(TypeError, name, type(t).__name__, "a torch.Tensor", fn)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
-            _fail(TypeError, f"{name}.dtype", t.dtype, "torch.bfloat16, torch.float16")
+            _fail(TypeError, f"{name}.dtype", t.dtype, "torch.bfloat16, torch.float16", fn)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            _fail(TypeError, f"{name}.dtype", t.dtype, f"the dtype of q ({q.dtype})")
+            _fail(TypeError, f"{name}.dtype", t.dtype, f"the dtype of q ({q.dtype})", fn)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            _fail(ValueError, f"{name}.dim()", t.dim(), "4: (batch, seqlen, nheads, headdim)")
-    batch, _, nheads, headdim = q.shape
+        if t.dim() != dims:
+            _fail(ValueError, f"{name}.dim()", t.dim(), f"{dims}: {layout}", fn)
+    nheads, headdim = q.shape[-2], q.shape[-1]
     if k.shape != v.shape:
-        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
-    if k.shape[0] != batch:
-        _fail(ValueError, "k.shape[0] (batch)", k.shape[0], f"the batch of q ({batch})")
-    if k.shape[3] != headdim:
-        _fail(ValueError, "k.shape[3] (headdim)", k.shape[3], f"the headdim of q ({headdim})")
+        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}", fn)
+    if not packed and k.shape[0] != q.shape[0]:
+        _fail(ValueError, "k.shape[0] (batch)", k.shape[0], f"the batch of q ({q.shape[0]})", fn)
+    if k.shape[-1] != headdim:
+        _fail(ValueError, f"k.shape[{dims - 1}] (headdim)", k.shape[-1], f"the headdim of q ({headdim})", fn)
     if headdim not in SUPPORTED_HEADDIMS:
-        _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)))
-    nheads_k = k.shape[2]
+        _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)), fn)
+    nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
-        _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)")
+        _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)", fn)
+
+
+def _check_flags(fn, causal, softmax_scale, deterministic=False):
     if not isinstance(causal, bool):
-        _fail(TypeError, "causal", type(causal).__name__, "bool")
+        _fail(TypeError, "causal", type(causal).__name__, "bool", fn)
+    if not isinstance(deterministic, bool):
+        _fail(TypeError, "deterministic", type(deterministic).__name__, "bool", fn)
     if softmax_scale is not None:
         if (
             isinstance(softmax_scale, bool)
@@ -100,18 +107,32 @@ def _check_inputs(q, k, v, causal, softmax_scale):
             or not math.isfinite(softmax_scale)
             or softmax_scale <= 0
         ):
-            _fail(ValueError, "softmax_scale", softmax_scale, "a positive finite float, or None for 1/sqrt(headdim)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+            _fail(ValueError, "softmax_scale", softmax_scale, "a positive finite float, or None for 1/sqrt(headdim)",
+                  fn)
+
+
+def _check_devices(fn, q, others):
+    """q on a Hopper GPU, the (name, tensor) pairs of others on its device, the extension loaded."""
+    for name, t in (("q", q), *others[:2]):
         if t.device.type != "cuda":
-            _fail(TypeError, f"{name}.device", t.device, "CUDA tensors on a Hopper GPU (sm_90)")
-    for name, t in (("k", k), ("v", v)):
+            _fail(TypeError, f"{name}.device", t.device, "CUDA tensors on a Hopper GPU (sm_90)", fn)
+    for name, t in others:
         if t.device != q.device:
-            _fail(TypeError, f"{name}.device", t.device, f"the device of q ({q.device})")
+            _fail(TypeError, f"{name}.device", t.device, f"the device of q ({q.device})", fn)
     if _C is None:
-        raise RuntimeError(f"flash3.attention: the compiled extension flash3._C is missing ({_C_IMPORT_ERROR})")
+        raise RuntimeError(f"{fn}: the compiled extension flash3._C is missing ({_C_IMPORT_ERROR})")
     major, minor = torch.cuda.get_device_capability(q.device)
     if (major, minor) != (9, 0):
-        _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)")
+        _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)", fn)
+
+
+def _check_inputs(q, k, v, causal, softmax_scale):
+    # Types and shapes first, devices last: every argument error is reported the same way
+    # on a machine without a GPU.
+    fn = "flash3.attention"
+    _check_tensors(fn, q, k, v)
+    _check_flags(fn, causal, softmax_scale)
+    _check_devices(fn, q, [("k", k), ("v", v)])
     _check_built("fwd", q, causal)
 
 

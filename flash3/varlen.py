@@ -12,13 +12,14 @@ import os
 
 import torch
 
-from .interface import _C, _C_IMPORT_ERROR, SUPPORTED_DTYPES, SUPPORTED_HEADDIMS, _check_built
+from .interface import _C, _check_built, _check_devices, _check_flags, _check_tensors
+from .interface import _fail as _fail_as
 
 _NAME = "flash3.attention_varlen"
 
 
 def _fail(exc_type, name, value, supported):
-    raise exc_type(f"{_NAME}: {name} is {value}; supported: {supported}")
+    _fail_as(exc_type, name, value, supported, _NAME)
 
 
 def _check_index_tensor(name, t, size):
@@ -41,41 +42,10 @@ def _check_max_seqlen(name, value):
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
                   softmax_scale, deterministic):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            _fail(TypeError, f"{name}.dtype", t.dtype, "torch.bfloat16, torch.float16")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            _fail(TypeError, f"{name}.dtype", t.dtype, f"the dtype of q ({q.dtype})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            _fail(ValueError, f"{name}.dim()", t.dim(), "3: (total_tokens, nheads, headdim)")
-    _, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
-    if k.shape[2] != headdim:
-        _fail(ValueError, "k.shape[2] (headdim)", k.shape[2], f"the headdim of q ({headdim})")
-    if headdim not in SUPPORTED_HEADDIMS:
-        _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)))
-    nheads_k = k.shape[1]
-    if nheads_k == 0 or nheads % nheads_k != 0:
-        _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)")
+    _check_tensors(_NAME, q, k, v)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    if not isinstance(causal, bool):
-        _fail(TypeError, "causal", type(causal).__name__, "bool")
-    if not isinstance(deterministic, bool):
-        _fail(TypeError, "deterministic", type(deterministic).__name__, "bool")
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, (int, float))
-        or not math.isfinite(softmax_scale)
-        or softmax_scale <= 0
-    ):
-        _fail(ValueError, "softmax_scale", softmax_scale, "a positive finite float, or None for 1/sqrt(headdim)")
+    _check_flags(_NAME, causal, softmax_scale, deterministic)
     # The length tensors' types and shapes before any device: every argument error is
     # reported the same way on a machine without a GPU.
     _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None)
@@ -88,17 +58,7 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if t is not None:
             _check_index_tensor(name, t, batch)
             index_tensors.append((name, t))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            _fail(TypeError, f"{name}.device", t.device, "CUDA tensors on a Hopper GPU (sm_90)")
-    for name, t in (("k", k), ("v", v), *index_tensors):
-        if t.device != q.device:
-            _fail(TypeError, f"{name}.device", t.device, f"the device of q ({q.device})")
-    if _C is None:
-        raise RuntimeError(f"{_NAME}: the compiled extension flash3._C is missing ({_C_IMPORT_ERROR})")
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)")
+    _check_devices(_NAME, q, [("k", k), ("v", v), *index_tensors])
 
 
 def validate_seqlens(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
