@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Training step of a small Llama-style model in Hugging Face transformers, per attention
+implementation: "sdpa", flash3 ("hopper_attention", flash3.integrations.transformers) and
+FlashAttention-3 ("flash_attention_3", when transformers finds it), in one run.
+
+Model: random-initialised, bf16, hidden 2048, 16 query / 4 KV heads (head dim 128), 4
+layers, vocab 32000. A step is forward + cross-entropy loss + backward (no optimiser),
+timed with CUDA events around the step, median of --steps after warm-up; batch 1 at
+--seqlens tokens (default 4096, 16384), causal. Prints a table and writes JSON.
+
+  python3 benchmarks/bench_model.py --out-dir benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT_DIR = Path(__file__).resolve().parent
+
+
+def build_model(transformers, impl):
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=32768, attn_implementation=impl,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+
+
+def step_ms(model, ids, steps, warmup=3):
+    def step():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out-dir", type=Path, default=SCRIPT_DIR / "results")
+    ap.add_argument("--tag", default="h200-model-step")
+    args = ap.parse_args(argv)
+    import transformers
+    from flash3.integrations.transformers import register
+
+    name = register()
+    impls = ["sdpa", name, "flash_attention_3"]
+    rows = []
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        ids = torch.randint(0, 32000, (1, seqlen), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        row = {"seqlen": seqlen}
+        for impl in impls:
+            try:
+                model = build_model(transformers, impl)
+                row[impl] = step_ms(model, ids, args.steps)
+            except Exception as exc:  # noqa: BLE001 (an implementation transformers cannot load)
+                row[impl] = None
+                row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                model = None
+                torch.cuda.empty_cache()
+        rows.append(row)
+        cells = "  ".join(f"{impl} {row[impl]:.2f} ms" if row[impl] else f"{impl} -" for impl in impls)
+        print(f"seqlen {seqlen}: {cells}", flush=True)
+    lines = ["| tokens | " + " | ".join(impls) + f" | {name}/sdpa | {name}/FA3 |", "|---" * (len(impls) + 3) + "|"]
+    for row in rows:
+        ratio = lambda a, b: f"{row[a] / row[b]:.3f}" if row.get(a) and row.get(b) else "-"  # noqa: E731
+        lines.append(f"| {row['seqlen']} | " + " | ".join(f"{row[i]:.2f} ms" if row[i] else "-" for i in impls)
+                     + f" | {ratio(name, 'sdpa')} | {ratio(name, 'flash_attention_3')} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
+    (args.out_dir / f"{args.tag}.md").write_text(
+        "# Training step of a Llama-style model (bf16, 4 layers, hidden 2048, 16/4 heads), ms (lower is better)\n\n"
+        + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
