@@ -129,13 +129,17 @@ struct PingpongTurns {
 //          CUTLASS use 24-40); consumers (504 - 24) / 2 = 240. (A producer at 32 would
 //          leave the consumers 232, which the backward measured in spills.)
 //   W = 4: 128 per thread, 512 per slot; consumers (512 - 24) / 3 = 162 -> 160.
-template <int kConsumerWarpgroups>
+// The FP8 forward's producer also transposes V and takes 40 where its consumers can spare
+// them (traits_fp8.h): consumers 232 (W = 3) or 152 (W = 4).
+template <int kConsumerWarpgroups, int kProducerRegisters = 24>
 struct RegisterBudget {
   static constexpr int kWarpgroups = kConsumerWarpgroups + 1;
   static constexpr int kPerSlot = 65536 / (kWarpgroups * 128) / 8 * 8 * kWarpgroups;
-  static constexpr int kProducer = 24;
+  static constexpr int kProducer = kProducerRegisters;
   static constexpr int kConsumer = ((kPerSlot - kProducer) / kConsumerWarpgroups) / 8 * 8;
+  static_assert(kProducer % 8 == 0 && kProducer >= 24, "setmaxnreg takes multiples of 8, at least 24");
   static_assert(kConsumer <= 256, "setmaxnreg takes at most 256 registers");
+  static_assert(kProducer * 128 + kConsumer * 128 * kConsumerWarpgroups <= 65536, "register file over-subscribed");
 };
 
 }  // namespace flash3

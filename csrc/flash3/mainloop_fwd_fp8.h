@@ -305,7 +305,7 @@ struct MainloopFwdFp8 {
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
       bool const masked = policy.needs_mask(m_block, n_block);  // the softmax's row max path
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-      if constexpr (Traits::kSoftmaxUnderPv) {
+      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         // The row max and the first half of the rows' exponentials run while O += P V is in
         // flight (in a block of their own, or ptxas hoists the wait above them: utils.h);
         // O's rescale then fills the issue slots that the second half's exponentials leave
@@ -333,7 +333,7 @@ struct MainloopFwdFp8 {
           for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
         }
       }
-      if constexpr (Traits::kSoftmaxUnderPv) {
+      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         CUTE_UNROLL
         for (int mi = kRows / 2; mi < kRows; ++mi) {
           softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales.qk_log2, tile_scales.log2_v, tile_scales.inv_v,

@@ -81,11 +81,6 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 
-// How much of the softmax of key tile j + 1 a warpgroup computes while its own
-// O += P(j) V(j) is in flight (KernelTraits::kSoftmaxUnderPv, mainloop_fwd.h): none, the
-// row max and half the rows' exponentials, or all of it.
-enum class SoftmaxUnderPv { kNone, kHalf, kWhole };
-
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {

@@ -101,7 +101,8 @@ struct KernelTraitsFp8 {
   // keys, causal above 8k; the kShortSeq ones, causal up to 8k and non-causal from 1152,
   // keep the old order: with kLaneScales, below, they measured faster at 8k-32k too,
   // dispatch_fp8.cu).
-  static constexpr bool kSoftmaxUnderPv = (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_);
+  static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
+      (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_) ? SoftmaxUnderPv::kHalf : SoftmaxUnderPv::kNone;
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
   // The max kept until a tile raises it by more than 2^0.75 and O's rescale skipped where
   // no row of a warp changed its max (fp8.h). H200 A/B against the exact rescale every
@@ -112,7 +113,7 @@ struct KernelTraitsFp8 {
   // test's worst element (GQA, key blocks scaled 0.01-100, 2300 keys, causal) then erred
   // 2.7x the emulation's worst (7.0 against 2.6; the bound is 2x), so hdim 256 keeps the
   // exact rescale.
-  static constexpr bool kLazyRescale = kHeadDim == 128 && kSoftmaxUnderPv && kBlockN == 192;
+  static constexpr bool kLazyRescale = kHeadDim == 128 && kSoftmaxUnderPv == SoftmaxUnderPv::kHalf && kBlockN == 192;
   // A key tile over several scale groups (hdim 128, 192-key tiles: three groups of 64
   // keys) works out each group's scales on a lane of its own and shuffles them to the
   // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
@@ -120,7 +121,7 @@ struct KernelTraitsFp8 {
   // bitwise-identical outputs): the kShortSeq kernels (the
   // softmax after the PV GEMM) +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
   // causal; those with the softmax under the PV GEMM -2.0..-2.6% (8k, 16k): off there.
-  static constexpr bool kLaneScales = !kSoftmaxUnderPv;
+  static constexpr bool kLaneScales = kSoftmaxUnderPv == SoftmaxUnderPv::kNone;
   // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
   // FMNMX chains (three passes each, bitwise-identical outputs): hdim 64 non-causal
   // +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k keys (both masks); hdim 64
@@ -150,11 +151,11 @@ struct KernelTraitsFp8 {
   static constexpr bool kPingpongIdsFromThreadIdx = kHeadDim == 256;
   static constexpr bool kOneScaleOffset = kHeadDim == 256;
   static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 96;
-  static constexpr int kProducerRegisters = kSmallConsumer ? 40 : 24;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 152 : kSmallConsumer ? 232 : 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= 64512,
-                "register file over-subscribed");
-  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "register budget derived for 2 or 3");
+  // The producer transposes V as well as loading (fp8.h TransposeV): 40 registers where
+  // the consumers can spare them, and the shared budget rule (barriers.h) for the rest.
+  using Registers = RegisterBudget<kConsumerWarpgroups, kSmallConsumer ? 40 : 24>;
+  static constexpr int kProducerRegisters = Registers::kProducer;
+  static constexpr int kConsumerRegisters = Registers::kConsumer;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;

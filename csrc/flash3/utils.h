@@ -57,6 +57,12 @@ CUTLASS_DEVICE void convert_into(TensorSrc const& src, TensorDst& dst) {
 // run_in_own_block: a loop that runs once, from a start (opaque_zero: 0 at run time) that
 // neither compiler knows, so the work keeps a basic block of its own ahead of the wait.
 // scripts/check_sass.py counts the exponentials between the two waits (EX2|GEMM).
+//
+// How much of the softmax of key tile j + 1 a warpgroup computes while its own
+// O += P(j) V(j) is in flight (the traits' kSoftmaxUnderPv; mainloop_fwd.h,
+// mainloop_fwd_fp8.h): none, the row max and half the rows' exponentials, or all of it.
+enum class SoftmaxUnderPv { kNone, kHalf, kWhole };
+
 template <class F>
 CUTLASS_DEVICE void run_in_own_block(uint32_t opaque_zero, F&& f) {
   CUTLASS_PRAGMA_NO_UNROLL
