@@ -164,8 +164,6 @@ def test_kvcache_combine_scheduler_not_implemented():
     q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet$"):
         flash_attn_with_kvcache(q, k, v, cache_seqlens=3)
-    with pytest.raises(NotImplementedError, match="^flash_attn_combine: split-KV"):
-        flash_attn_combine(torch.zeros(2, 1, 4, 64), torch.zeros(2, 1, 4))
     with pytest.raises(NotImplementedError, match="^get_scheduler_metadata: the KV cache"):
         get_scheduler_metadata(2, 1, 128, 4, 2, 64, torch.zeros(2, dtype=torch.int32))
 
