@@ -251,12 +251,18 @@ struct MainloopBwd {
                                  PipelineState& read_q, PipelineState& read_do,
                                  TensordKV& tdKrdK, TensordKV& tdVrdV,
                                  int thread_idx, int n_block, Seq const& seq) {
+    clear(tdKrdK);
+    clear(tdVrdV);
+    // Query tiles [m_begin, m_end) see the key tile; none: dK = dV = 0.
+    int const m_begin = m_block_begin(seq, n_block);
+    int const m_end = m_block_end(seq);
+    if (m_begin >= m_end) { return; }
     if constexpr (Traits::kSplitKeys) {
       mma_split_keys(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
-                     thread_idx, n_block, seq);
+                     thread_idx, n_block, m_begin, m_end, seq);
     } else {
       mma_lockstep(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
-                   thread_idx, n_block, seq);
+                   thread_idx, n_block, m_begin, m_end, seq);
     }
   }
 
@@ -275,7 +281,8 @@ struct MainloopBwd {
                                             PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                             PipelineState& read_q, PipelineState& read_do,
                                             TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                            int thread_idx, int n_block, Seq const& seq);
+                                            int thread_idx, int n_block, int m_begin, int m_end,
+                                            Seq const& seq);
 
   // Hands this warpgroup's half of a query tile's dQ (d / 2 columns, float32) to the dQ
   // warp through its own shared-memory buffer (kDqViaSmem; without it, see
@@ -329,7 +336,8 @@ struct MainloopBwd {
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                           PipelineState& read_q, PipelineState& read_do,
                                           TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                          int thread_idx, int n_block, Seq const& seq);
+                                          int thread_idx, int n_block, int m_begin, int m_end,
+                                          Seq const& seq);
 
   static constexpr int kDqBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
   // One Q (or dO) stage; stage s starts s of these into smem_q (smem_do).

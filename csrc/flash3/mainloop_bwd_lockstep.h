@@ -19,12 +19,8 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
                                         PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                         PipelineState& read_q, PipelineState& read_do,
                                         TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                        int thread_idx, int n_block, Seq const& seq) {
-  clear(tdKrdK);
-  clear(tdVrdV);
-  int const m_begin = m_block_begin(seq, n_block);
-  int const m_end = m_block_end(seq);
-  if (m_begin >= m_end) { return; }
+                                        int thread_idx, int n_block, int m_begin, int m_end,
+                                        Seq const& seq) {
 
   typename Traits::TiledMmaSdP tiled_mma_sdp;
   typename Traits::TiledMmadKV tiled_mma_dkv;
