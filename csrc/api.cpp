@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -50,6 +52,48 @@ struct Varlen {
   int64_t max_seqlen_q, max_seqlen_k;
 };
 
+// The options of the local-mask kernels as the ops take them: FlashAttention-3's window
+// (-1: unbounded), softcap (0: off) and attention sinks (float32 (nheads), or none).
+struct Options {
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> sinks;
+
+  void check(at::Tensor const& q, int64_t nheads) const {
+    TORCH_CHECK(window_left >= -1, "flash3: window_left is ", window_left, "; supported: -1 (unbounded) or >= 0");
+    TORCH_CHECK(window_right >= -1, "flash3: window_right is ", window_right, "; supported: -1 (unbounded) or >= 0");
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash3: softcap is ", softcap,
+                "; supported: 0 (off) or a positive finite value");
+    if (sinks.has_value()) {
+      TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == nheads &&
+                      sinks->is_contiguous() && sinks->device() == q.device(),
+                  "flash3: sinks must be a contiguous float32 tensor of nheads (", nheads,
+                  ") elements on the device of q, got ", sinks->scalar_type(), " ", sinks->sizes());
+    }
+  }
+
+  // FlashAttention-3's rules (hopper/flash_api.cpp): a left window reaching back past the
+  // longest key sequence, or a right one past the longest query sequence, is none; causal
+  // is the window (-1, 0). Anything else with a window, a softcap or sinks runs the local
+  // kernel, whose window sides are then clamped to those lengths (the same mask).
+  flash3::MaskKind resolve(bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k, FwdParams& params) const {
+    int64_t left = window_left >= max_seqlen_k - 1 ? -1 : window_left;
+    int64_t right = window_right >= max_seqlen_q - 1 ? -1 : window_right;
+    if (causal) { right = 0; }
+    bool const is_causal = left < 0 && right == 0;
+    bool const is_local = (left >= 0 || right >= 0) && !is_causal;
+    if (!is_local && softcap == 0.0 && !sinks.has_value()) {
+      return is_causal ? flash3::MaskKind::kCausal : flash3::MaskKind::kNone;
+    }
+    params.window_left = static_cast<int>(left < 0 ? max_seqlen_k : std::min(left, max_seqlen_k));
+    params.window_right = static_cast<int>(right < 0 ? max_seqlen_q : std::min(right, max_seqlen_q));
+    params.softcap = static_cast<float>(softcap);
+    params.sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+    return flash3::MaskKind::kLocal;
+  }
+};
+
 void set_varlen(FwdParams& params, Varlen const& varlen) {
   params.cu_seqlens_q = varlen.cu_seqlens_q.data_ptr<int>();
   params.cu_seqlens_k = varlen.cu_seqlens_k.data_ptr<int>();
@@ -65,7 +109,8 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
 // The forward pass into out (like q) and lse ((batch, nheads, seqlen_q) float32), on
 // (batch, seqlen, nheads, headdim) tensors (packed batches: one batch entry of all rows).
 void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
-                 at::Tensor const& lse, double softmax_scale, bool causal, Varlen const* varlen) {
+                 at::Tensor const& lse, double softmax_scale, bool causal, Options const& options,
+                 Varlen const* varlen) {
   flash3::DType const dtype = to_dtype(q.scalar_type());
   int64_t const headdim = q.size(3);
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
@@ -76,12 +121,13 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
   flash3::FwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
   if (varlen != nullptr) { set_varlen(params, *varlen); }
+  flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
 
   cudaError_t launch_status = cudaSuccess;
-  bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), causal, params,
+  bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), mask, params,
                                           c10::cuda::getCurrentCUDAStream().stream(), &launch_status);
   TORCH_CHECK(found, "flash3: this build holds no forward kernel for dtype ", flash3::dtype_name(dtype),
-              ", headdim ", headdim, ", causal ", causal, " (see flash3.build_info()['kernels'])");
+              ", headdim ", headdim, ", mask ", flash3::mask_name(mask), " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: forward kernel launch failed: ",
               cudaGetErrorString(launch_status));
 }
@@ -89,10 +135,10 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
 // The backward pass on (batch, seqlen, nheads, headdim) tensors (packed batches: one
 // batch entry of all rows, with `varlen` saying where each sequence is) and lse
 // (batch, nheads, seqlen_q). Returns dq, dk, dv shaped like q, k, v.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
     at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
     at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
-    bool deterministic, Varlen const* varlen) {
+    bool deterministic, Options const& options, Varlen const* varlen) {
   flash3::DType const dtype = to_dtype(q.scalar_type());
   int64_t const rows_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
   int64_t const rows_k = k.size(1), nheads_k = k.size(2);
@@ -105,11 +151,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
   auto dq = partial ? at::zeros_like(q, at::MemoryFormat::Contiguous) : at::empty_like(q, at::MemoryFormat::Contiguous);
   auto dk = partial ? at::zeros_like(k, at::MemoryFormat::Contiguous) : at::empty_like(k, at::MemoryFormat::Contiguous);
   auto dv = partial ? at::zeros_like(v, at::MemoryFormat::Contiguous) : at::empty_like(v, at::MemoryFormat::Contiguous);
+  // The sinks' gradient: float32 (nheads), or no elements without sinks.
+  auto dsinks = at::zeros({options.sinks.has_value() ? nheads : 0}, q.options().dtype(at::kFloat));
   if (batch == 0 || nheads == 0 || seqlen_q == 0 || seqlen_k == 0 || rows_q == 0 || rows_k == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    if (options.sinks.has_value() && batch > 0 && nheads > 0 && rows_q > 0 && (seqlen_k == 0 || rows_k == 0)) {
+      // No keys: every row's probability sits on the sink, lse = sink and out = 0, so
+      // d loss / d sink = sum over rows of dlse.
+      if (dlse.has_value()) {
+        dsinks = dlse->sum(at::IntArrayRef{0, 2});
+      }
+    }
+    return {dq, dk, dv, dsinks};
   }
 
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
@@ -147,6 +202,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
   flash3::BwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
   if (varlen != nullptr) { set_varlen(params, *varlen); }
+  flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
+  at::Tensor dsink_rows;
+  if (options.sinks.has_value()) {
+    dsink_rows = at::zeros({ws_batch, nheads, seqlen_q_padded}, f32);
+    params.dsink_rows_ptr = dsink_rows.data_ptr<float>();
+  }
   using flash3::api::set_tensor;
   set_tensor(params.do_ptr, params.do_batch_stride, params.do_row_stride, params.do_head_stride, do_tma);
   set_tensor(params.dq_ptr, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, dq);
@@ -163,10 +224,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
   params.deterministic = deterministic;
 
   cudaError_t launch_status = cudaSuccess;
-  bool const found = flash3::dispatch_bwd(dtype, static_cast<int>(headdim), causal, params,
+  bool const found = flash3::dispatch_bwd(dtype, static_cast<int>(headdim), mask, params,
                                           c10::cuda::getCurrentCUDAStream().stream(), &launch_status);
   TORCH_CHECK(found, "flash3: this build holds no backward kernel for dtype ", flash3::dtype_name(dtype),
-              ", headdim ", headdim, ", causal ", causal, " (see flash3.build_info()['kernels'])");
+              ", headdim ", headdim, ", mask ", flash3::mask_name(mask), " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: backward kernel launch failed: ",
               cudaGetErrorString(launch_status));
   if (gqa) {
@@ -174,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     dk.copy_(dk_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
     dv.copy_(dv_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
   }
-  return {dq, dk, dv};
+  if (options.sinks.has_value()) { dsinks = dsink_rows.sum(at::IntArrayRef{0, 2}); }
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace flash3::api
@@ -183,23 +245,34 @@ namespace {
 
 // deterministic is the backward's (see bwd); the forward is deterministic either way.
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                       double softmax_scale, bool causal, bool /*deterministic*/) {
+                                       double softmax_scale, bool causal, bool /*deterministic*/,
+                                       int64_t window_left, int64_t window_right, double softcap,
+                                       std::optional<at::Tensor> const& sinks) {
   check_qkv(q, k, v, softmax_scale);
+  flash3::api::Options const options{window_left, window_right, softcap, sinks};
+  options.check(q, q.size(2));
   c10::cuda::CUDAGuard const device_guard(q.device());
   at::Tensor out, lse;
-  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) { return {out, lse}; }
-  flash3::api::run_forward(q, k, v, out, lse, softmax_scale, causal, nullptr);
+  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) {
+    // No keys: with sinks, each row's whole probability is the sink's.
+    if (sinks.has_value() && k.size(1) == 0) { lse.copy_(sinks->view({1, -1, 1}).expand_as(lse)); }
+    return {out, lse};
+  }
+  flash3::api::run_forward(q, k, v, out, lse, softmax_scale, causal, options, nullptr);
   return {out, lse};
 }
 
 // Gradients of out = attention(q, k, v) given dout (and optionally dlse, the gradient of
 // the returned lse). deterministic: dQ's per-key-tile partial sums are added in a fixed
 // order (key tiles take turns per query tile) instead of as they finish.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
-                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
-                                                   std::optional<at::Tensor> const& dlse, double softmax_scale,
-                                                   bool causal, bool deterministic) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
+    bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+    std::optional<at::Tensor> const& sinks) {
   check_qkv(q, k, v, softmax_scale);
+  flash3::api::Options const options{window_left, window_right, softcap, sinks};
+  options.check(q, q.size(2));
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -214,7 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
                 "flash3: dlse must be like lse");
   }
   c10::cuda::CUDAGuard const device_guard(q.device());
-  return flash3::api::run_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, nullptr);
+  return flash3::api::run_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, options,
+                                   nullptr);
 }
 
 // Variable-length batches: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
@@ -247,8 +321,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
                                               std::optional<at::Tensor> const& seqused_q,
                                               std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                              bool /*deterministic*/) {
+                                              bool /*deterministic*/, int64_t window_left, int64_t window_right,
+                                              double softcap, std::optional<at::Tensor> const& sinks) {
   check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  flash3::api::Options const options{window_left, window_right, softcap, sinks};
+  options.check(q, q.size(1));
   at::Tensor const q4 = q.unsqueeze(0);
   at::Tensor k4 = k.unsqueeze(0);
   at::Tensor v4 = v.unsqueeze(0);
@@ -265,17 +342,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
     v4 = k4;
   }
   flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
-  flash3::api::run_forward(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, causal, &varlen);
+  flash3::api::run_forward(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, causal, options, &varlen);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
     at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
     at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor const& cu_seqlens_q,
     at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
     std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-    bool causal, bool deterministic) {
+    bool causal, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+    std::optional<at::Tensor> const& sinks) {
   check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  flash3::api::Options const options{window_left, window_right, softcap, sinks};
+  options.check(q, q.size(1));
   check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale);
   int64_t const total_q = q.size(0), nheads = q.size(1);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
@@ -293,10 +373,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   }
   c10::cuda::CUDAGuard const device_guard(q.device());
   flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
-  auto [dq, dk, dv] = flash3::api::run_backward(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                                out.unsqueeze(0), lse.unsqueeze(0), dlse3, softmax_scale, causal,
-                                                deterministic, &varlen);
-  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
+  auto [dq, dk, dv, dsinks] = flash3::api::run_backward(
+      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), dlse3,
+      softmax_scale, causal, deterministic, options, &varlen);
+  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0), dsinks};
 }
 
 pybind11::dict build_info() {
@@ -306,7 +386,8 @@ pybind11::dict build_info() {
     entry["kind"] = kernel.kind;
     entry["dtype"] = flash3::dtype_name(kernel.dtype);
     entry["hdim"] = kernel.headdim;
-    entry["causal"] = kernel.causal;
+    entry["mask"] = flash3::mask_name(kernel.mask);
+    entry["causal"] = kernel.mask == flash3::MaskKind::kCausal;
     kernels.append(entry);
   }
   pybind11::dict info;
@@ -320,21 +401,25 @@ pybind11::dict build_info() {
 
 }  // namespace
 
+// The options every op ends with (api.cpp Options): the window, softcap and sinks.
+#define FLASH3_OPTIONS "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None"
+
 TORCH_LIBRARY(flash3, m) {
   m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False) "
-      "-> (Tensor out, Tensor lse)");
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False, " FLASH3_OPTIONS
+      ") -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
-      "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool causal, bool deterministic, " FLASH3_OPTIONS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
       "Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-      "bool deterministic=False) -> (Tensor out, Tensor lse)");
+      "bool deterministic=False, " FLASH3_OPTIONS ") -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic, " FLASH3_OPTIONS
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {

@@ -1,4 +1,4 @@
-// The only place where a runtime (dtype, head dim, causal) becomes template arguments:
+// The only place where a runtime (dtype, head dim, mask) becomes template arguments:
 // one flat table per pass. Kernels left out of the build (FLASH3_HDIMS / FLASH3_DTYPES /
 // FLASH3_KINDS, turned into the masks below by setup.py) have a null launcher and are
 // reported as not built rather than failing to link.
@@ -20,6 +20,7 @@ namespace flash3 {
 
 struct NoMask;
 struct CausalMask;
+struct LocalMask;
 
 // Defined in launch_fwd.h / launch_bwd.h, explicitly instantiated one per file in
 // csrc/instantiations/.
@@ -52,7 +53,7 @@ template <class Params>
 struct Entry {
   DType dtype;
   int headdim;
-  bool causal;
+  MaskKind mask;
   Launcher<Params> launch;
 };
 
@@ -80,29 +81,39 @@ using fp16 = cutlass::half_t;
 // Every (dtype, head dim, mask) of one pass, in one list.
 template <class Params, template <class, int, class> class Make>
 struct Table {
-  static constexpr Entry<Params> kEntries[20] = {
+  static constexpr Entry<Params> kEntries[30] = {
     // clang-format off
-    //  dtype         hdim  causal  kernel
-    {DType::kBF16,    64,  false, Make<bf16,  64, NoMask>::value},
-    {DType::kBF16,    64,  true,  Make<bf16,  64, CausalMask>::value},
-    {DType::kBF16,    96,  false, Make<bf16,  96, NoMask>::value},
-    {DType::kBF16,    96,  true,  Make<bf16,  96, CausalMask>::value},
-    {DType::kBF16,   128,  false, Make<bf16, 128, NoMask>::value},
-    {DType::kBF16,   128,  true,  Make<bf16, 128, CausalMask>::value},
-    {DType::kBF16,   192,  false, Make<bf16, 192, NoMask>::value},
-    {DType::kBF16,   192,  true,  Make<bf16, 192, CausalMask>::value},
-    {DType::kBF16,   256,  false, Make<bf16, 256, NoMask>::value},
-    {DType::kBF16,   256,  true,  Make<bf16, 256, CausalMask>::value},
-    {DType::kFP16,    64,  false, Make<fp16,  64, NoMask>::value},
-    {DType::kFP16,    64,  true,  Make<fp16,  64, CausalMask>::value},
-    {DType::kFP16,    96,  false, Make<fp16,  96, NoMask>::value},
-    {DType::kFP16,    96,  true,  Make<fp16,  96, CausalMask>::value},
-    {DType::kFP16,   128,  false, Make<fp16, 128, NoMask>::value},
-    {DType::kFP16,   128,  true,  Make<fp16, 128, CausalMask>::value},
-    {DType::kFP16,   192,  false, Make<fp16, 192, NoMask>::value},
-    {DType::kFP16,   192,  true,  Make<fp16, 192, CausalMask>::value},
-    {DType::kFP16,   256,  false, Make<fp16, 256, NoMask>::value},
-    {DType::kFP16,   256,  true,  Make<fp16, 256, CausalMask>::value},
+    //  dtype      hdim  mask              kernel
+    {DType::kBF16,   64, MaskKind::kNone,   Make<bf16,  64, NoMask>::value},
+    {DType::kBF16,   64, MaskKind::kCausal, Make<bf16,  64, CausalMask>::value},
+    {DType::kBF16,   64, MaskKind::kLocal,  Make<bf16,  64, LocalMask>::value},
+    {DType::kBF16,   96, MaskKind::kNone,   Make<bf16,  96, NoMask>::value},
+    {DType::kBF16,   96, MaskKind::kCausal, Make<bf16,  96, CausalMask>::value},
+    {DType::kBF16,   96, MaskKind::kLocal,  Make<bf16,  96, LocalMask>::value},
+    {DType::kBF16,  128, MaskKind::kNone,   Make<bf16, 128, NoMask>::value},
+    {DType::kBF16,  128, MaskKind::kCausal, Make<bf16, 128, CausalMask>::value},
+    {DType::kBF16,  128, MaskKind::kLocal,  Make<bf16, 128, LocalMask>::value},
+    {DType::kBF16,  192, MaskKind::kNone,   Make<bf16, 192, NoMask>::value},
+    {DType::kBF16,  192, MaskKind::kCausal, Make<bf16, 192, CausalMask>::value},
+    {DType::kBF16,  192, MaskKind::kLocal,  Make<bf16, 192, LocalMask>::value},
+    {DType::kBF16,  256, MaskKind::kNone,   Make<bf16, 256, NoMask>::value},
+    {DType::kBF16,  256, MaskKind::kCausal, Make<bf16, 256, CausalMask>::value},
+    {DType::kBF16,  256, MaskKind::kLocal,  Make<bf16, 256, LocalMask>::value},
+    {DType::kFP16,   64, MaskKind::kNone,   Make<fp16,  64, NoMask>::value},
+    {DType::kFP16,   64, MaskKind::kCausal, Make<fp16,  64, CausalMask>::value},
+    {DType::kFP16,   64, MaskKind::kLocal,  Make<fp16,  64, LocalMask>::value},
+    {DType::kFP16,   96, MaskKind::kNone,   Make<fp16,  96, NoMask>::value},
+    {DType::kFP16,   96, MaskKind::kCausal, Make<fp16,  96, CausalMask>::value},
+    {DType::kFP16,   96, MaskKind::kLocal,  Make<fp16,  96, LocalMask>::value},
+    {DType::kFP16,  128, MaskKind::kNone,   Make<fp16, 128, NoMask>::value},
+    {DType::kFP16,  128, MaskKind::kCausal, Make<fp16, 128, CausalMask>::value},
+    {DType::kFP16,  128, MaskKind::kLocal,  Make<fp16, 128, LocalMask>::value},
+    {DType::kFP16,  192, MaskKind::kNone,   Make<fp16, 192, NoMask>::value},
+    {DType::kFP16,  192, MaskKind::kCausal, Make<fp16, 192, CausalMask>::value},
+    {DType::kFP16,  192, MaskKind::kLocal,  Make<fp16, 192, LocalMask>::value},
+    {DType::kFP16,  256, MaskKind::kNone,   Make<fp16, 256, NoMask>::value},
+    {DType::kFP16,  256, MaskKind::kCausal, Make<fp16, 256, CausalMask>::value},
+    {DType::kFP16,  256, MaskKind::kLocal,  Make<fp16, 256, LocalMask>::value},
     // clang-format on
   };
 };
@@ -120,10 +131,10 @@ using FwdTable = Table<FwdParams, MakeFwd>;
 using BwdTable = Table<BwdParams, MakeBwd>;
 
 template <class Params, size_t N>
-bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, bool causal, Params const& params,
+bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, MaskKind mask, Params const& params,
               cudaStream_t stream, cudaError_t* err) {
   for (auto const& entry : table) {
-    if (entry.dtype == dtype && entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr) {
+    if (entry.dtype == dtype && entry.headdim == headdim && entry.mask == mask && entry.launch != nullptr) {
       *err = entry.launch(params, stream);
       return true;
     }
@@ -136,24 +147,28 @@ bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, bool ca
 std::vector<KernelInfo> built_kernels() {
   std::vector<KernelInfo> kernels;
   for (auto const& entry : FwdTable::kEntries) {
-    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.causal}); }
+    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.mask}); }
   }
   for (auto const& entry : BwdTable::kEntries) {
-    if (entry.launch != nullptr) { kernels.push_back({"bwd", entry.dtype, entry.headdim, entry.causal}); }
+    if (entry.launch != nullptr) { kernels.push_back({"bwd", entry.dtype, entry.headdim, entry.mask}); }
   }
   return kernels;
 }
 
-bool dispatch_fwd(DType dtype, int headdim, bool causal, FwdParams const& params, cudaStream_t stream,
+bool dispatch_fwd(DType dtype, int headdim, MaskKind mask, FwdParams const& params, cudaStream_t stream,
                   cudaError_t* err) {
-  return dispatch(FwdTable::kEntries, dtype, headdim, causal, params, stream, err);
+  return dispatch(FwdTable::kEntries, dtype, headdim, mask, params, stream, err);
 }
 
-bool dispatch_bwd(DType dtype, int headdim, bool causal, BwdParams const& params, cudaStream_t stream,
+bool dispatch_bwd(DType dtype, int headdim, MaskKind mask, BwdParams const& params, cudaStream_t stream,
                   cudaError_t* err) {
-  return dispatch(BwdTable::kEntries, dtype, headdim, causal, params, stream, err);
+  return dispatch(BwdTable::kEntries, dtype, headdim, mask, params, stream, err);
 }
 
 char const* dtype_name(DType dtype) { return dtype == DType::kBF16 ? "bf16" : "fp16"; }
+
+char const* mask_name(MaskKind mask) {
+  return mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal" : "local";
+}
 
 }  // namespace flash3

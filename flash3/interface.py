@@ -43,21 +43,28 @@ _BUILT = None
 
 
 def _built_kernels() -> frozenset:
+    """(kind, dtype, hdim, mask) of every kernel in this build; mask is "none", "causal"
+    or "local" (sliding windows, softcap and sinks)."""
     global _BUILT
     if _BUILT is None:
         _BUILT = frozenset(
-            (k["kind"], k["dtype"], k["hdim"], k["causal"]) for k in build_info()["kernels"]
+            (k["kind"], k["dtype"], k["hdim"], k.get("mask", "causal" if k["causal"] else "none"))
+            for k in build_info()["kernels"]
         )
     return _BUILT
 
 
-def is_supported(kind: str, dtype, hdim: int, causal: bool) -> bool:
+def is_supported(kind: str, dtype, hdim: int, causal: bool, *, mask=None) -> bool:
     """True when this build holds the ``kind`` ("fwd" or "bwd") kernel for the arguments.
 
-    ``dtype`` is a torch dtype or its short name ("bf16", "fp16").
+    ``dtype`` is a torch dtype or its short name ("bf16", "fp16"). ``mask`` ("none",
+    "causal", "local") overrides ``causal``: "local" is the kernel that runs sliding
+    windows, softcap and attention sinks.
     """
     name = _DTYPE_NAMES.get(dtype, dtype)
-    return (kind, name, int(hdim), bool(causal)) in _built_kernels()
+    if mask is None:
+        mask = "causal" if causal else "none"
+    return (kind, name, int(hdim), mask) in _built_kernels()
 
 
 def _fail(exc_type, name, value, supported, fn="flash3.attention"):
@@ -126,6 +133,48 @@ def _check_devices(fn, q, others):
         _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)", fn)
 
 
+def _check_options(fn, q, window_size, softcap, sinks):
+    """window_size a pair of ints >= -1, softcap a finite real >= 0, sinks None or a
+    floating tensor of shape (nheads,)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        _fail(TypeError, "window_size", repr(window_size), "a pair (left, right) of ints >= -1 (-1: unbounded)", fn)
+    for name, value in (("window_size[0]", left), ("window_size[1]", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(TypeError, name, repr(value), "an int >= -1 (-1: unbounded)", fn)
+        if value < -1:
+            _fail(ValueError, name, value, "an int >= -1 (-1: unbounded)", fn)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        _fail(TypeError, "softcap", type(softcap).__name__, "a float >= 0 (0: off)", fn)
+    if not math.isfinite(softcap) or softcap < 0:
+        _fail(ValueError, "softcap", softcap, "a finite float >= 0 (0: off)", fn)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            _fail(TypeError, "sinks", type(sinks).__name__, "None or a torch.Tensor of shape (nheads,)", fn)
+        if not sinks.is_floating_point():
+            _fail(TypeError, "sinks.dtype", sinks.dtype, "a floating dtype (cast to float32)", fn)
+        nheads = q.shape[-2]
+        if tuple(sinks.shape) != (nheads,):
+            _fail(ValueError, "sinks.shape", tuple(sinks.shape), f"(nheads,) = ({nheads},)", fn)
+    return int(left), int(right), float(softcap)
+
+
+def _mask_kind(causal, window, softcap, sinks, max_seqlen_q, max_seqlen_k):
+    """The kernel a call runs, by FlashAttention-3's rules (as the binding applies them): a
+    left window reaching past max_seqlen_k - 1 or a right one past max_seqlen_q - 1 is no
+    window; causal is the window (-1, 0); any other window, softcap or sinks: "local"."""
+    left, right = window
+    left = -1 if left >= max_seqlen_k - 1 else left
+    right = -1 if right >= max_seqlen_q - 1 else right
+    if causal:
+        right = 0
+    is_causal = left < 0 and right == 0
+    if (left >= 0 or right >= 0) and not is_causal or softcap > 0 or sinks is not None:
+        return "local"
+    return "causal" if is_causal else "none"
+
+
 def _check_inputs(q, k, v, causal, softmax_scale):
     # Types and shapes first, devices last: every argument error is reported the same way
     # on a machine without a GPU.
@@ -133,20 +182,18 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     _check_tensors(fn, q, k, v)
     _check_flags(fn, causal, softmax_scale)
     _check_devices(fn, q, [("k", k), ("v", v)])
-    _check_built("fwd", q, causal)
 
 
-def _check_built(kind, q, causal):
+def _check_built(kind, q, causal, mask=None, fn="flash3.attention"):
     dtype_name = _DTYPE_NAMES[q.dtype]
     headdim = q.shape[-1]
-    if not is_supported(kind, dtype_name, headdim, causal):
-        built = sorted(
-            f"{d}/hdim{h}{'/causal' if c else ''}" for k, d, h, c in _built_kernels() if k == kind
-        )
+    mask = mask or ("causal" if causal else "none")
+    if not is_supported(kind, dtype_name, headdim, causal, mask=mask):
+        built = sorted(f"{d}/hdim{h}/{m}" for k, d, h, m in _built_kernels() if k == kind)
         pass_name = {"fwd": "forward", "bwd": "backward"}[kind]
         raise KernelNotBuiltError(
-            f"flash3.attention: the {pass_name} kernel for dtype {dtype_name}, headdim {headdim}, "
-            f"causal={causal} was not built (FLASH3_HDIMS / FLASH3_DTYPES / FLASH3_KINDS at build time); "
+            f"{fn}: the {pass_name} kernel for dtype {dtype_name}, headdim {headdim}, "
+            f"mask {mask} was not built (FLASH3_HDIMS / FLASH3_DTYPES / FLASH3_KINDS at build time); "
             f"this build holds: {', '.join(built) or 'none'}"
         )
 
@@ -154,41 +201,59 @@ def _check_built(kind, q, causal):
 if _C is not None:
 
     @torch.library.register_fake("flash3::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
+    def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+                  softcap=0.0, sinks=None):
         batch, seqlen_q, nheads, headdim = q.shape
         out = q.new_empty((batch, seqlen_q, nheads, headdim))
         lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
         return out, lse
 
+    def dsinks_like(q, sinks):
+        """The sinks' gradient as the backward ops return it: float32 (nheads,), or (0,)."""
+        return q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32)
+
     @torch.library.register_fake("flash3::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, window_left=-1,
+                  window_right=-1, softcap=0.0, sinks=None):
         return (
             torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
+            dsinks_like(q, sinks),
         )
+
+    def _options_of(inputs, first):
+        """(window_left, window_right, softcap, sinks) from an op's inputs, defaults filled."""
+        defaults = (-1, -1, 0.0, None)
+        given = tuple(inputs[first:first + 4])
+        return given + defaults[len(given):]
 
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal = inputs[:5]
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.deterministic = inputs[5] if len(inputs) > 5 else False
+        ctx.window_left, ctx.window_right, ctx.softcap, sinks = _options_of(inputs, 6)
+        ctx.has_sinks = sinks is not None
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
 
     def _fwd_backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        sinks = rest[0] if ctx.has_sinks else None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.flash3.bwd(
-            grad_out, q, k, v, out, lse, grad_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
+        dq, dk, dv, dsinks = torch.ops.flash3.bwd(
+            grad_out, q, k, v, out, lse, grad_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+            ctx.window_left, ctx.window_right, ctx.softcap, sinks,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks if ctx.has_sinks else None
 
     torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+              return_lse=False, deterministic=False):
     """softmax(q k^T * softmax_scale) v, fused, on a Hopper GPU.
 
     Args:
@@ -207,6 +272,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, de
             With seqlen_q > seqlen_k the first rows see no key: their output is 0 and
             their lse -inf.
         softmax_scale: defaults to 1/sqrt(headdim); must be positive.
+        window_size: (left, right), sliding-window (local) attention as in
+            FlashAttention: query row i sees key j iff
+            ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``;
+            -1 leaves a side unbounded; with ``causal`` the right side is 0. For
+            seqlen_q = seqlen_k = 5 and window_size (2, 0) (1 = visible)::
+
+                1 0 0 0 0
+                1 1 0 0 0
+                1 1 1 0 0
+                0 1 1 1 0
+                0 0 1 1 1
+
+            Key tiles outside every row's window are skipped, so the cost follows the
+            window.
+        softcap: if > 0, the scores become ``softcap * tanh(softmax_scale * q.k / softcap)``
+            before the softmax (Gemma 2); the lse is taken over those.
+        sinks: None or a tensor of shape (nheads,) (float32 is used): one logit per query
+            head that joins every row's softmax denominator with no value (gpt-oss's
+            attention sinks). The lse includes it (a row that sees no key then has lse =
+            sink and output 0), and gradients flow to it.
         return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q), natural log.
             Gradients flow through it too.
         deterministic: make the backward pass bitwise reproducible (dq's partial sums
@@ -221,11 +306,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, de
     not multiples of 16 bytes) are copied to contiguous tensors first.
     """
     _check_inputs(q, k, v, causal, softmax_scale)
+    left, right, softcap = _check_options("flash3.attention", q, window_size, softcap, sinks)
+    if sinks is not None and sinks.device != q.device:
+        _fail(TypeError, "sinks.device", sinks.device, f"the device of q ({q.device})")
     if not isinstance(deterministic, bool):
         _fail(TypeError, "deterministic", type(deterministic).__name__, "bool")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        _check_built("bwd", q, causal)
+    mask = _mask_kind(causal, (left, right), softcap, sinks, q.shape[1], k.shape[1])
+    _check_built("fwd", q, causal, mask)
+    grads = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or
+                                        (sinks is not None and sinks.requires_grad))
+    if grads:
+        _check_built("bwd", q, causal, mask)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.flash3.fwd(q, k, v, float(softmax_scale), causal, deterministic)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    out, lse = torch.ops.flash3.fwd(q, k, v, float(softmax_scale), causal, deterministic, left, right, softcap,
+                                    sinks)
     return (out, lse) if return_lse else out

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-__all__ = ["causal_mask", "attention_ref", "attention_blockwise"]
+__all__ = ["causal_mask", "window_mask", "attention_ref", "attention_blockwise"]
 
 LOG2_E = math.log2(math.e)
 
@@ -72,6 +72,35 @@ def causal_mask(sq, sk, device=None):
     return cols <= rows + (sk - sq)
 
 
+def window_mask(sq, sk, window_size=(-1, -1), causal=False, device=None):
+    """The bool ``(sq, sk)`` mask of a sliding window, bottom-right aligned as in
+    FlashAttention: row ``i`` sees key ``j`` iff
+    ``i + sk - sq - left <= j <= i + sk - sq + right``, a side of -1 being unbounded;
+    ``causal`` sets ``right`` to 0. ``window_size=(-1, -1)`` is no mask, ``(-1, 0)`` is
+    :func:`causal_mask`.
+
+    sq=sk=5, window_size=(1, 1)::
+
+              k0 k1 k2 k3 k4
+        q0  [  x  x  .  .  . ]
+        q1  [  x  x  x  .  . ]
+        q2  [  .  x  x  x  . ]
+        q3  [  .  .  x  x  x ]
+        q4  [  .  .  .  x  x ]
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    cols = torch.arange(sk, device=device).unsqueeze(0)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= cols >= rows - left
+    if right >= 0:
+        visible &= cols <= rows + right
+    return visible
+
+
 def _resolve_scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
 
@@ -91,7 +120,8 @@ def _expand_kv_heads(k, v, nheads):
     return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window_size=(-1, -1), softcap=0.0,
+                  sinks=None):
     """Attention by materialising the full ``softmax(scale * Q K^T) V``.
 
     Args:
@@ -108,6 +138,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
             ``P V`` matmul (as FlashAttention's own test reference does);
             ``out`` is returned in the input dtype. Its error against the
             float64 truth is the yardstick for kernel tolerances.
+        window_size: ``(left, right)`` sliding window (:func:`window_mask`).
+        softcap: if > 0, the scaled scores become ``softcap * tanh(scores / softcap)``
+            before the mask and the softmax.
+        sinks: ``None`` or ``(h,)``: one logit per head that joins each row's softmax
+            denominator with no value; ``lse`` includes it.
 
     Returns:
         ``(out, lse)``: ``out`` is ``(b, sq, h, d)`` (float64 if ``upcast``,
@@ -123,9 +158,20 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     else:
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
 
-    if causal:
-        visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
+    windowed = tuple(window_size) != (-1, -1)
+    if sinks is not None:
+        # The sink is one more column with no value: softmax over [scores, sink].
+        visible = window_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        full = torch.cat([scores, sink_col], dim=-1)
+        lse = torch.logsumexp(full, dim=-1)
+        probs = torch.softmax(full, dim=-1)[..., :-1]
+    elif causal or windowed:
+        visible = window_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
         # A row with every score at -inf attends to nothing: its probabilities (and
         # output) are 0. Filling before the softmax, rather than cleaning its 0/0 NaNs

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .interface import _C, _check_built, _check_devices, _check_flags, _check_tensors
+from .interface import _C, _check_built, _check_devices, _check_flags, _check_options, _check_tensors, _mask_kind
 from .interface import _fail as _fail_as
 
 _NAME = "flash3.attention_varlen"
@@ -98,49 +98,57 @@ if _C is not None:
 
     @torch.library.register_fake("flash3::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, deterministic=False):
+                         softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                         sinks=None):
         total_q, nheads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
     @torch.library.register_fake("flash3::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1,
+                         window_right=-1, softcap=0.0, sinks=None):
         return (
             torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
+            q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32),
         )
 
     def _setup_context(ctx, inputs, output):
         (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
          causal) = inputs[:11]
         ctx.deterministic = inputs[11] if len(inputs) > 11 else False
+        options = tuple(inputs[12:16]) + (-1, -1, 0.0, None)[len(inputs[12:16]):]
+        ctx.window_left, ctx.window_right, ctx.softcap, sinks = options
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale, ctx.causal = softmax_scale, causal
         ctx.has_seqused = (seqused_q is not None, seqused_k is not None)
+        ctx.has_sinks = sinks is not None
         out, lse = output
         saved = [q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]
-        saved += [t for t in (seqused_q, seqused_k) if t is not None]
+        saved += [t for t in (seqused_q, seqused_k, sinks) if t is not None]
         ctx.save_for_backward(*saved)
 
     def _backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *used = ctx.saved_tensors
-        seqused_q = used.pop(0) if ctx.has_seqused[0] else None
-        seqused_k = used.pop(0) if ctx.has_seqused[1] else None
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rest = ctx.saved_tensors
+        seqused_q = rest.pop(0) if ctx.has_seqused[0] else None
+        seqused_k = rest.pop(0) if ctx.has_seqused[1] else None
+        sinks = rest.pop(0) if ctx.has_sinks else None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.flash3.bwd_varlen(
+        dq, dk, dv, dsinks = torch.ops.flash3.bwd_varlen(
             grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+            ctx.window_left, ctx.window_right, ctx.softcap, sinks,
         )
-        return (dq, dk, dv) + (None,) * 9
+        return (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.has_sinks else None,)
 
     torch.library.register_autograd("flash3::fwd_varlen", _backward, setup_context=_setup_context)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
-                     seqused_k=None, causal=False, softmax_scale=None, return_lse=False, deterministic=False,
-                     validate=False):
+                     seqused_k=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+                     return_lse=False, deterministic=False, validate=False):
     """Attention over a packed batch of sequences of different lengths, on a Hopper GPU.
 
     Args:
@@ -158,6 +166,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             (its gradients are zero).
         causal: bottom-right aligned per sequence, as in ``flash3.attention``.
         softmax_scale, deterministic: as in ``flash3.attention``.
+        window_size, softcap, sinks: as in ``flash3.attention``, per sequence (windows
+            bottom-right aligned in each sequence; a window side reaching past the
+            longest sequence is unbounded).
         return_lse: also return the logsumexp, float32 (nheads, total_q) (FlashAttention-3's
             layout); gradients flow through it.
         validate: check the values of the length tensors first (a host synchronisation;
@@ -175,9 +186,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
                   softmax_scale, deterministic)
-    _check_built("fwd", q, causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        _check_built("bwd", q, causal)
+    left, right, softcap = _check_options(_NAME, q, window_size, softcap, sinks)
+    if sinks is not None and sinks.device != q.device:
+        _fail(TypeError, "sinks.device", sinks.device, f"the device of q ({q.device})")
+    mask = _mask_kind(causal, (left, right), softcap, sinks, max_seqlen_q, max_seqlen_k)
+    _check_built("fwd", q, causal, mask, _NAME)
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or
+                                    (sinks is not None and sinks.requires_grad)):
+        _check_built("bwd", q, causal, mask, _NAME)
     if validate or os.environ.get("FLASH3_VALIDATE") == "1":
         validate_seqlens(q.shape[0], k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                          seqused_k)
@@ -187,6 +203,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         None if seqused_q is None else seqused_q.contiguous(),
         None if seqused_k is None else seqused_k.contiguous(),
-        max_seqlen_q, max_seqlen_k, float(softmax_scale), causal, deterministic,
+        max_seqlen_q, max_seqlen_k, float(softmax_scale), causal, deterministic, left, right, softcap,
+        None if sinks is None else sinks.float().contiguous(),
     )
     return (out, lse) if return_lse else out

@@ -86,12 +86,14 @@ def test_arguments_after_the_tensors_are_keyword_only():
 
 
 def test_docstring_mask_matches_reference():
-    """The drawn mask in attention()'s docstring is the reference's causal mask."""
+    """The drawn masks in attention()'s docstring are the reference's: causal for
+    seqlen_q = 3, seqlen_k = 5, then the window (2, 0) for 5 x 5."""
     doc = flash3.attention.__doc__
     rows = re.findall(r"^\s+((?:[01] ){4}[01])\s*$", doc, flags=re.M)
     drawn = torch.tensor([[int(c) for c in r.split()] for r in rows], dtype=torch.bool)
-    assert drawn.shape == (3, 5)
-    assert torch.equal(drawn, flash3.reference.causal_mask(3, 5))
+    assert drawn.shape == (8, 5)
+    assert torch.equal(drawn[:3], flash3.reference.causal_mask(3, 5))
+    assert torch.equal(drawn[3:], flash3.reference.window_mask(5, 5, (2, 0)))
 
 
 needs_ext = pytest.mark.skipif(interface._C is None, reason="extension not built")

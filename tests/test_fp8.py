@@ -114,6 +114,8 @@ def test_arguments_after_the_tensors_are_keyword_only():
 
 
 needs_fp8_ops = pytest.mark.skipif(not fp8._has_op("fwd_fp8"), reason="extension without the FP8 ops")
+# The quantiser is built with the e4m3 kernels (FLASH3_DTYPES).
+needs_quantizer = pytest.mark.skipif(not fp8._has_op("quantize_fp8"), reason="extension built without e4m3")
 
 
 @needs_fp8_ops
@@ -207,6 +209,7 @@ def _skip_unless_built(d, causal):
 
 
 @gpu
+@needs_quantizer
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_rows", [64, 128])
 @pytest.mark.parametrize("rotate", [False, True])
@@ -227,6 +230,7 @@ def test_quantize_kernel_matches_reference(seed, d, block_rows, rotate):
 
 
 @gpu
+@needs_quantizer
 def test_quantize_kernel_strided_input():
     x = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) view
     x8, scale = torch.ops.flash3.quantize_fp8(x, None, 128)

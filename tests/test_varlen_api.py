@@ -90,6 +90,6 @@ def test_varlen_fake_impls_on_meta():
     torch.library.opcheck(torch.ops.flash3.fwd_varlen.default,
                           (q, k, v, cu_q, cu_k, None, None, 6, 7, 0.125, True, False),
                           test_utils=("test_schema", "test_faketensor"))
-    dq, dk, dv = torch.ops.flash3.bwd_varlen(out, q, k, v, out, lse, None, cu_q, cu_k, None, None, 6, 7, 0.125,
+    dq, dk, dv, dsinks = torch.ops.flash3.bwd_varlen(out, q, k, v, out, lse, None, cu_q, cu_k, None, None, 6, 7, 0.125,
                                              True, False)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

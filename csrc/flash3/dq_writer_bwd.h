@@ -43,8 +43,8 @@ template <class Traits, class Mask>
 CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::store_dq(Params const& params, SharedStorage& storage, int n_block, int head,
                                     Seq const& seq) {
   // Lean on registers: this warp runs with the producer's 24, and one lane does the work.
-  int const m_begin = m_block_begin(seq, n_block);
-  int const m_end = m_block_end(seq);
+  int const m_begin = m_block_begin(params, seq, n_block);
+  int const m_end = m_block_end(params, seq, n_block);
   int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
   int64_t const head_tile0 = (int64_t(seq.batch) * params.nheads + head) * params.dq_m_blocks + seq.offset_q_padded / kBlockM;
   constexpr uint32_t kHalfBytes = Traits::kDqElements / 2 * sizeof(float);
@@ -67,7 +67,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::store_dq(Params const& params, Sh
       storage.barrier_dq_full[stage][half].wait(phase);  // LOCK sdQ half
       if (lane == 0) {
         if (i == 0 && semaphore != nullptr) {
-          turn = n_block_last(seq, m_block) - n_block;
+          turn = n_block_last(params, seq, m_block) - n_block;
           while (cuda_ld_acquire(semaphore) != turn) {}
           // Order the acquire before the (async-proxy) reductions below.
           asm volatile("fence.proxy.async.global;" ::: "memory");

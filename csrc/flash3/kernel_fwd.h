@@ -42,8 +42,9 @@ struct FlashFwdKernel {
   // bitwise-identical outputs): causal hdim 64 +1.2..+1.7%, hdim 128 +1.5..+2.4% and
   // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
   static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
+  static_assert(!(Traits::kPersistent && Mask::kIsLocal), "the local mask runs on the general, non-persistent tiles");
   using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
-                                       TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/Mask::kIsCausal>>;
+                                       TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/kVariableKeys<Mask>>>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
@@ -160,7 +161,7 @@ struct FlashFwdKernel {
           Seq const seq = params.mainloop.seqs.template at<kVarlen>(tile.batch);
           // Tiles past the sequence's rows (packed batches: the grid covers the longest
           // sequence) and tiles that see no key load nothing.
-          if ((kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) || Mainloop::n_block_end(seq, tile.m_block) <= 0) {
+          if ((kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) || !Mainloop::has_keys(params.mainloop, seq, tile.m_block)) {
             continue;
           }
           Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full[write_q.index()],
@@ -180,11 +181,11 @@ struct FlashFwdKernel {
         // Packed batches: no rows, nothing to write. (Not tested in dense kernels, where it
         // never holds: the hdim 64 non-causal kernel spilled for it.)
         if (kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) { continue; }
-        bool const has_keys = Mainloop::n_block_end(seq, tile.m_block) > 0;
+        bool const has_keys = Mainloop::has_keys(params.mainloop, seq, tile.m_block);
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
                                  storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
-                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, seq);
+                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, tile.head, seq);
         // A packed batch's sequence read afresh rather than kept in registers across the mainloop.
         if constexpr (kVarlen) { seq = params.mainloop.seqs.template at<kVarlen>(tile.batch); }
         if (has_keys) { ++read_q; }

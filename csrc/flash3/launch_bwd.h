@@ -15,7 +15,7 @@ namespace flash3 {
 
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashBwdKernel<BwdKernelTraits<Element, kHeadDim, Mask::kIsCausal>, Mask>;
+  using Kernel = FlashBwdKernel<BwdKernelTraits<Element, kHeadDim, kVariableKeys<Mask>>, Mask>;
   static_assert(Kernel::Traits::kBlockM == bwd_block_m(kHeadDim), "the binding sizes the dQ workspace by it");
   static_assert(128 % Kernel::Traits::kBlockM == 0, "seqlen_q_padded is a multiple of 128");
   cudaError_t err = run_bwd_preprocess<Element>(params, stream);

@@ -16,7 +16,7 @@ namespace flash3 {
 // general) and batch layout (dense or packed).
 template <class Element, int kHeadDim, class Mask, bool kShortSeq, bool kVarlen>
 cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, Mask::kIsCausal, kShortSeq>, Mask, kVarlen>;
+  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, kShortSeq>, Mask, kVarlen>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
@@ -31,10 +31,10 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
 // both lengths (for packed batches, the longest sequence's) are short enough (traits.h),
-// the general one otherwise.
+// the general one otherwise. The local mask runs on the general tile (the causal one).
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  if constexpr (kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
+  if constexpr (!Mask::kIsLocal && kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, Mask::kIsCausal>;
     if (params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen) {
       return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream);

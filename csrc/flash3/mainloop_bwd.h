@@ -92,7 +92,22 @@ struct MainloopBwd {
     alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
 
-  struct Params {
+  // The local-mask kernels' options (params.h); other kernels hold none (an empty base).
+  struct NoOptions {
+    static NoOptions make(BwdParams const&) { return {}; }
+  };
+  struct LocalOptions {
+    int window_left;
+    int window_right;
+    float tanh_prescale;        // 0: no softcap
+    float inv_logit_scale_log2;  // softcap: from P's log2 back to tanh(...)
+    static LocalOptions make(BwdParams const& p) {
+      return {p.window_left, p.window_right, p.tanh_prescale(), 1.f / p.logit_scale_log2()};
+    }
+  };
+  using Options = std::conditional_t<Mask::kIsLocal, LocalOptions, NoOptions>;
+
+  struct Params : Options {
     TmaQ tma_q;
     TmaQ tma_do;
     TmaK tma_k;
@@ -106,7 +121,7 @@ struct MainloopBwd {
     int dq_m_blocks;  // the dQ workspace's tiles per head
     int nheads;
     int head_group;
-    float softmax_scale_log2;
+    float softmax_scale_log2;  // to log2 logits: params.h logit_scale_log2
     float* dq_accum;
     int* dq_semaphore;  // null unless deterministic
   };
@@ -116,7 +131,8 @@ struct MainloopBwd {
     ShapeQKV shape_k = rows_head_shape(p.rows_k(), p.headdim, p.nheads_k, p.tensor_batch());
     ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.tensor_batch());
     StrideRow stride_row = make_stride(_1{}, int64_t(p.seqlen_q_padded), int64_t(p.seqlen_q_padded) * p.nheads);
-    return {make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
+    return {Options::make(p),
+            make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
                        rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
             make_tma_q(static_cast<Element const*>(p.do_ptr), shape_q,
                        rows_head_stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride)),
@@ -127,7 +143,7 @@ struct MainloopBwd {
             make_tma_row(p.lse_log2_ptr, shape_row, stride_row),
             make_tma_row(p.dpsum_ptr, shape_row, stride_row),
             shape_q, shape_k, shape_row, p.seq_layout(), p.dq_m_blocks, p.nheads, p.nheads / p.nheads_k,
-            p.softmax_scale_log2, p.dq_accum_ptr, p.deterministic ? p.dq_semaphore_ptr : nullptr};
+            p.logit_scale_log2(), p.dq_accum_ptr, p.deterministic ? p.dq_semaphore_ptr : nullptr};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -139,24 +155,42 @@ struct MainloopBwd {
     cute::prefetch_tma_descriptor(params.tma_dpsum.get_tma_descriptor());
   }
 
+  CUTLASS_DEVICE static Policy policy_of(Params const& params, Seq const& seq) {
+    if constexpr (Mask::kIsLocal) {
+      return {seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right};
+    } else {
+      return {seq.seqlen_q, seq.seqlen_k};
+    }
+  }
+
   // Query tiles [m_begin, m_end) see some key of key tile n_block. Under the causal mask
   // (bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q) the first
-  // row that sees the tile's first key is n_block * kBlockN - (seqlen_k - seqlen_q).
-  CUTLASS_DEVICE static int m_block_begin(Seq const& seq, int n_block) {
-    if constexpr (Mask::kIsCausal) {
+  // row that sees the tile's first key is n_block * kBlockN - (seqlen_k - seqlen_q); the
+  // local mask's range is MaskPolicy's.
+  CUTLASS_DEVICE static int m_block_begin(Params const& params, Seq const& seq, int n_block) {
+    if constexpr (Mask::kIsLocal) {
+      return policy_of(params, seq).m_block_begin(n_block);
+    } else if constexpr (Mask::kIsCausal) {
       int const first_row = n_block * kBlockN - (seq.seqlen_k - seq.seqlen_q);
       return max(first_row, 0) / kBlockM;
     } else {
       return 0;
     }
   }
-  CUTLASS_DEVICE static int m_block_end(Seq const& seq) { return (seq.seqlen_q + kBlockM - 1) / kBlockM; }
+  CUTLASS_DEVICE static int m_block_end(Params const& params, Seq const& seq, int n_block) {
+    if constexpr (Mask::kIsLocal) {
+      return policy_of(params, seq).m_block_end(n_block);
+    } else {
+      return (seq.seqlen_q + kBlockM - 1) / kBlockM;
+    }
+  }
 
   CUTLASS_DEVICE static bool has_keys(Seq const& seq, int n_block) { return n_block * kBlockN < seq.seqlen_k; }
 
   // The last key tile that query tile m_block sees (the inverse of m_block_begin: tile n
   // sees it iff n * kBlockN - (seqlen_k - seqlen_q) < (m_block + 1) * kBlockM); -1 if none.
-  CUTLASS_DEVICE static int n_block_last(Seq const& seq, int m_block) {
+  CUTLASS_DEVICE static int n_block_last(Params const& params, Seq const& seq, int m_block) {
+    if constexpr (Mask::kIsLocal) { return policy_of(params, seq).n_block_last(m_block); }
     int const n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
     if constexpr (Mask::kIsCausal) {
       int const rows_end = (m_block + 1) * kBlockM + (seq.seqlen_k - seq.seqlen_q);
@@ -173,8 +207,8 @@ struct MainloopBwd {
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                   PipelineState& write_q, PipelineState& write_do,
                                   int n_block, int head, Seq const& seq) {
-    int const m_begin = m_block_begin(seq, n_block);
-    int const m_end = m_block_end(seq);
+    int const m_begin = m_block_begin(params, seq, n_block);
+    int const m_end = m_block_end(params, seq, n_block);
     if (m_begin >= m_end) { return; }
     int const head_kv = head / params.head_group;
 
@@ -254,8 +288,8 @@ struct MainloopBwd {
     clear(tdKrdK);
     clear(tdVrdV);
     // Query tiles [m_begin, m_end) see the key tile; none: dK = dV = 0.
-    int const m_begin = m_block_begin(seq, n_block);
-    int const m_end = m_block_end(seq);
+    int const m_begin = m_block_begin(params, seq, n_block);
+    int const m_end = m_block_end(params, seq, n_block);
     if (m_begin >= m_end) { return; }
     if constexpr (Traits::kSplitKeys) {
       mma_split_keys(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
@@ -263,6 +297,29 @@ struct MainloopBwd {
     } else {
       mma_lockstep(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
                    thread_idx, n_block, m_begin, m_end, seq);
+    }
+  }
+
+  // Softcap's chain rule (local-mask kernels): dS is multiplied by 1 - t^2, where t =
+  // tanh(...) is recovered from P = exp2(t * logit_scale_log2 - lse_log2) rather than kept
+  // in registers. P = 0 (masked, or underflowed) gives t = -inf, clamped to -1: a factor
+  // of 0 on a dS that is 0 anyway (as are the NaNs of rows with lse_log2 = +inf).
+  CUTLASS_DEVICE static float softcap_dtanh(Params const& params, float p, float lse_log2) {
+    if constexpr (Mask::kIsLocal) {
+      float const t = fminf(fmaxf((__log2f(p) + lse_log2) * params.inv_logit_scale_log2, -1.f), 1.f);
+      return 1.f - t * t;
+    } else {
+      return 1.f;
+    }
+  }
+  CUTLASS_DEVICE static bool has_softcap(Params const& params) {
+    if constexpr (Mask::kIsLocal) { return params.tanh_prescale != 0.f; } else { return false; }
+  }
+  // The scores S (or S^T) under softcap: tanh(S * prescale), before the mask.
+  template <class TensorS>
+  CUTLASS_DEVICE static void apply_softcap(Params const& params, TensorS& tSrS) {
+    if constexpr (Mask::kIsLocal) {
+      if (params.tanh_prescale != 0.f) { apply_tanh(tSrS, params.tanh_prescale); }
     }
   }
 

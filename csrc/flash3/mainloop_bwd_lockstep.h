@@ -66,7 +66,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
   Tensor tScS = thr_mma_sdp.partition_C(cS);
   Tensor tScS_rowcol = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
 
-  Policy const policy{seq.seqlen_q, seq.seqlen_k};
+  Policy const policy = policy_of(params, seq);
 
   storage.barrier_kv.wait(0);
 
@@ -86,6 +86,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
     Tensor tdPrdP_rowcol = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
     // P = exp2(S * scale * log2(e) - lse * log2(e)) while dO V^T runs.
     warpgroup_wait<1>();
+    apply_softcap(params, tSrS_rowcol);
     if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(tSrS_rowcol); ++mi) {
@@ -117,6 +118,16 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(tdPrdP_rowcol); ++ni) {
         tdPrdP_rowcol(mi, ni) = tSrS_rowcol(mi, ni) * (tdPrdP_rowcol(mi, ni) - dpsum);
+      }
+    }
+    if (has_softcap(params)) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(tdPrdP_rowcol); ++mi) {
+        float const lse = sLSE(get<0>(tScS_rowcol(mi, 0)), read_q.index());
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tdPrdP_rowcol); ++ni) {
+          tdPrdP_rowcol(mi, ni) *= softcap_dtanh(params, tSrS_rowcol(mi, ni), lse);
+        }
       }
     }
     {

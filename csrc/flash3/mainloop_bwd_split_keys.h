@@ -62,7 +62,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
   Tensor tStcSt = thr_mma_sdp.partition_C(cSt);
   Tensor tStcSt_rowcol = make_tensor(tStcSt.data(), accumulator_rowcol(tStcSt.layout()));
 
-  Policy const policy{seq.seqlen_q, seq.seqlen_k};
+  Policy const policy = policy_of(params, seq);
 
   storage.barrier_kv.wait(0);
 
@@ -153,6 +153,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
     // statistics are per query, i.e. per column.
     warpgroup_wait<1>();
     warpgroup_fence_operand(tStrSt);
+    apply_softcap(params, tStrSt_rowcol);
     if (policy.needs_mask(m_block, n_block)) {
       policy.apply_transposed(tStrSt_rowcol, tStcSt_rowcol, m_block, n_block);
     }
@@ -189,6 +190,16 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(tdPtrdPt_rowcol); ++mi) {
         tdPtrdPt_rowcol(mi, ni) = tStrSt_rowcol(mi, ni) * (tdPtrdPt_rowcol(mi, ni) - dpsum);
+      }
+    }
+    if (has_softcap(params)) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tdPtrdPt_rowcol); ++ni) {
+        float const lse = sLSE(get<1>(tStcSt_rowcol(0, ni)), read_q.index());
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(tdPtrdPt_rowcol); ++mi) {
+          tdPtrdPt_rowcol(mi, ni) *= softcap_dtanh(params, tStrSt_rowcol(mi, ni), lse);
+        }
       }
     }
     if constexpr (!kDvBeforeDs) { issue_dv(); }

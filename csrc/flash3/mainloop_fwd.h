@@ -48,22 +48,50 @@ struct MainloopFwd {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
 
+  // The local-mask kernels' options (params.h); other kernels hold none (an empty base).
+  struct NoOptions {
+    static NoOptions make(FwdParams const&) { return {}; }
+  };
+  struct LocalOptions {
+    int window_left;
+    int window_right;
+    float tanh_prescale;  // 0: no softcap
+    float const* sinks;   // null: no sinks
+    static LocalOptions make(FwdParams const& p) {
+      return {p.window_left, p.window_right, p.tanh_prescale(), p.sinks_ptr};
+    }
+  };
+  using Options = std::conditional_t<Mask::kIsLocal, LocalOptions, NoOptions>;
+
   // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
-  struct Params : Loads {
+  struct Params : Loads, Options {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
+    // From the scores the softmax sees (q.k, or under softcap tanh(...)) to logits, in
+    // natural-log and log2 units (params.h logit_scale).
     float softmax_scale;
     float softmax_scale_log2;
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Loads::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.softmax_scale, p.softmax_scale_log2};
+    return {Loads::make(p), Options::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.logit_scale(),
+            p.logit_scale_log2()};
+  }
+
+  CUTLASS_DEVICE static Policy policy_of(Params const& params, Seq const& seq) {
+    if constexpr (Mask::kIsLocal) {
+      return {seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right};
+    } else {
+      return {seq.seqlen_q, seq.seqlen_k};
+    }
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) { params.prefetch_descriptors(); }
 
-  CUTLASS_DEVICE static int n_block_end(Seq const& seq, int m_block) {
-    return Policy{seq.seqlen_q, seq.seqlen_k}.n_block_end(m_block);
+  // Whether query tile m_block sees any key.
+  CUTLASS_DEVICE static bool has_keys(Params const& params, Seq const& seq, int m_block) {
+    Policy const policy = policy_of(params, seq);
+    return policy.n_block_end(m_block) > policy.n_block_begin(m_block);
   }
 
   CUTLASS_DEVICE static Element* smem_q_stage(SharedStorage& storage, int q_stage) {
@@ -81,8 +109,10 @@ struct MainloopFwd {
                                   PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineState& write_k, PipelineState& write_v,
                                   int m_block, int head, Seq const& seq) {
-    int const n_end = n_block_end(seq, m_block);
-    if (n_end <= 0) { return; }
+    Policy const policy = policy_of(params, seq);
+    int const n_begin = policy.n_block_begin(m_block);
+    int const n_end = policy.n_block_end(m_block);
+    if (n_end <= n_begin) { return; }
     int const head_kv = head / params.head_group;
 
     Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, q_stage)), SmemLayoutQ{});
@@ -119,7 +149,7 @@ struct MainloopFwd {
     copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
     ++write_v;
     CUTLASS_PRAGMA_NO_UNROLL
-    for (--n_block; n_block >= 0; --n_block) {
+    for (--n_block; n_block >= n_begin; --n_block) {
       pipeline_k.producer_acquire(write_k);
       copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
       ++write_k;
@@ -175,7 +205,7 @@ struct MainloopFwd {
                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineState& read_k, PipelineState& read_v,
-                                 TensorO& tOrO, int thread_idx, int m_block, Seq const& seq) {
+                                 TensorO& tOrO, int thread_idx, int m_block, int head, Seq const& seq) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
     using TiledMmaPV = typename Traits::TiledMmaPV;
     TiledMmaQK tiled_mma_qk;
@@ -195,23 +225,38 @@ struct MainloopFwd {
     Tensor tScS_rowcol = make_tensor(thr_mma_qk.partition_C(cS).data(),
                                      accumulator_rowcol(thr_mma_qk.partition_C(cS).layout()));
 
-    Policy const policy{seq.seqlen_q, seq.seqlen_k};
+    Policy const policy = policy_of(params, seq);
+    int const n_begin = policy.n_block_begin(m_block);
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
     OnlineSoftmax<kRows, Traits::kLazyRescale, Traits::kIntRowMax> softmax(params.softmax_scale_log2);
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
 
     int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    WarpScheduler scheduler{warpgroup, n_end > 0 ? n_end + 1 : 0};
+    WarpScheduler scheduler{warpgroup, n_end > n_begin ? n_end - n_begin + 1 : 0};
     scheduler.start();
 
-    if (n_end <= 0) {
-      clear(tOrO);
+    // Normalises O and returns the rows' logsumexp; attention sinks join the sum there.
+    auto finalize = [&] {
+      if constexpr (Mask::kIsLocal) {
+        if (params.sinks != nullptr) {
+          return softmax.template finalize</*kSink=*/true>(tOrO_rowcol, params.softmax_scale, params.sinks[head]);
+        }
+      }
       return softmax.finalize(tOrO_rowcol, params.softmax_scale);
+    };
+
+    if (n_end <= n_begin) {
+      clear(tOrO);
+      return finalize();
     }
 
     auto compute_scores = [&](auto& tSrS, int n_block) {
       Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if constexpr (Mask::kIsLocal) {
+        // Softcap before the mask: tanh(-inf) would be -1.
+        if (params.tanh_prescale != 0.f) { apply_tanh(tSrS_rowcol, params.tanh_prescale); }
+      }
       if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
       return tSrS_rowcol;
     };
@@ -228,10 +273,10 @@ struct MainloopFwd {
     scheduler.pass_turn();
     warpgroup_wait<0>();
     // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
-    if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
+    if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
     ++read_k;
     // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
-    if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
+    if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
       bool const masked = policy.needs_mask(m_block, n_block);
@@ -244,7 +289,7 @@ struct MainloopFwd {
     clear(tOrO);
 
     CUTLASS_PRAGMA_NO_UNROLL
-    for (--n_block; n_block >= 0; --n_block) {
+    for (--n_block; n_block >= n_begin; --n_block) {
       Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
       pipeline_k.consumer_wait(read_k);
       pipeline_v.consumer_wait(read_v);
@@ -254,10 +299,10 @@ struct MainloopFwd {
       scheduler.pass_turn();
       warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
       // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
-      if (!(Traits::kOInKVStages && n_block == 0)) { pipeline_k.consumer_release(read_k); }
+      if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
       ++read_k;
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
-      if (n_block == 0 && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
+      if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
       bool const masked = policy.needs_mask(m_block, n_block);  // the softmax's row max path
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
@@ -298,7 +343,7 @@ struct MainloopFwd {
     if constexpr (!Traits::kOInKVStages) { pipeline_v.consumer_release(read_v); }
     ++read_v;
 
-    return softmax.finalize(tOrO_rowcol, params.softmax_scale);
+    return finalize();
   }
 };
 

@@ -1,10 +1,19 @@
 // Masking policies: which key tiles a query tile visits, which of them need an
 // element-wise mask, and the mask itself.
 //
-// Causal masking is bottom-right aligned (as FlashAttention-2/3): query row i sees key j
-// iff j <= i + seqlen_k - seqlen_q. Every policy also masks the key tail
-// (j >= seqlen_k), since TMA fills out-of-range K rows with zeros, which would
-// otherwise score exp(0 - max) > 0.
+// Masks are bottom-right aligned (as FlashAttention-2/3): with offset = seqlen_k -
+// seqlen_q, query row i sees key j iff
+//   causal:  j <= i + offset
+//   local:   i + offset - window_left <= j <= i + offset + window_right
+// (a sliding window; the binding clamps an unbounded side to the sequence length, which
+// is the same mask). Every policy also masks the key tail (j >= seqlen_k), since TMA
+// fills out-of-range K rows with zeros, which would otherwise score exp(0 - max) > 0.
+//
+// Tile (m_block, n_block) is visited iff some row of the query tile sees some key of the
+// key tile; the forward walks the key tiles of a query tile ([n_block_begin, n_block_end))
+// and the backward the query tiles of a key tile ([m_block_begin, m_block_end)), and for
+// the local mask both ranges are the same relation (the deterministic backward counts on
+// it: a query tile's dQ waits for exactly the key tiles that visit it).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,39 +25,108 @@ using namespace cute;
 
 struct NoMask {
   static constexpr bool kIsCausal = false;
+  static constexpr bool kIsLocal = false;
 };
 
 struct CausalMask {
   static constexpr bool kIsCausal = true;
+  static constexpr bool kIsLocal = false;
 };
+
+// A window read at run time: sliding windows, and the kernels for softcap and attention
+// sinks (which run with an unbounded window, or causal's (unbounded, 0)).
+struct LocalMask {
+  static constexpr bool kIsCausal = false;
+  static constexpr bool kIsLocal = true;
+};
+
+// Query tiles that see different numbers of key tiles: the tile configurations and the
+// longest-first grid order of causal kernels (traits.h, scheduler.h).
+template <class Mask>
+constexpr bool kVariableKeys = Mask::kIsCausal || Mask::kIsLocal;
 
 template <class Mask, int kBlockM, int kBlockN>
 struct MaskPolicy {
   int seqlen_q;
   int seqlen_k;
+  // LocalMask only, each >= 0 (the binding clamps an unbounded side).
+  int window_left = 0;
+  int window_right = 0;
 
-  // Key tiles [0, n_block_end) hold every key some row of query tile m_block can see.
-  CUTLASS_DEVICE int n_block_end(int m_block) const {
+  CUTLASS_HOST_DEVICE static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+  // Key tiles [n_block_begin, n_block_end) hold every key some row of query tile m_block can see.
+  CUTLASS_HOST_DEVICE int n_block_begin(int m_block) const {
+    if constexpr (Mask::kIsLocal) {
+      // The first row's first key; none visible when it is past the keys.
+      int const first_key = m_block * kBlockM + seqlen_k - seqlen_q - window_left;
+      return first_key >= seqlen_k ? cute::ceil_div(seqlen_k, kBlockN) : max(first_key, 0) / kBlockN;
+    } else {
+      return 0;
+    }
+  }
+  CUTLASS_HOST_DEVICE int n_block_end(int m_block) const {
     int n_end = cute::ceil_div(seqlen_k, kBlockN);
     if constexpr (Mask::kIsCausal) {
       // The last row of the tile sees keys up to (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q.
       int last_key = min((m_block + 1) * kBlockM + seqlen_k - seqlen_q, seqlen_k);
       n_end = min(n_end, cute::ceil_div(last_key, kBlockN));
+    } else if constexpr (Mask::kIsLocal) {
+      // The tile's last row (rows past seqlen_q do not count) and its last key.
+      int const last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+      int const last_key = last_row + seqlen_k - seqlen_q + window_right;
+      n_end = min(n_end, floor_div(last_key, kBlockN) + 1);
     }
     return n_end;
   }
 
+  // The last key tile query tile m_block visits; below n_block_begin(m_block) if none.
+  CUTLASS_HOST_DEVICE int n_block_last(int m_block) const { return n_block_end(m_block) - 1; }
+
+  // Query tiles [m_block_begin, m_block_end) see some key of key tile n_block (local mask;
+  // the backward's causal and unmasked ranges are in mainloop_bwd.h).
+  CUTLASS_HOST_DEVICE int m_block_begin(int n_block) const {
+    static_assert(Mask::kIsLocal);
+    // The first row whose window reaches the tile's first key; none when it is past the rows.
+    int const first_row = n_block * kBlockN - (seqlen_k - seqlen_q) - window_right;
+    return first_row >= seqlen_q ? cute::ceil_div(seqlen_q, kBlockM) : max(first_row, 0) / kBlockM;
+  }
+  CUTLASS_HOST_DEVICE int m_block_end(int n_block) const {
+    static_assert(Mask::kIsLocal);
+    // The last row whose window reaches back to the tile's last key.
+    int const last_key = min((n_block + 1) * kBlockN, seqlen_k) - 1;
+    int const last_row = last_key - (seqlen_k - seqlen_q) + window_left;
+    return min(cute::ceil_div(seqlen_q, kBlockM), floor_div(last_row, kBlockM) + 1);
+  }
+
   // True when some element of tile (m_block, n_block) is masked. Tiles are visited from
   // the last one down, so the masked ones come first and the loop peels them.
-  CUTLASS_DEVICE bool needs_mask(int m_block, int n_block) const {
+  CUTLASS_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     bool tail = (n_block + 1) * kBlockN > seqlen_k;
     if constexpr (Mask::kIsCausal) {
       // The first row of the tile sees keys up to m_block * kBlockM + seqlen_k - seqlen_q.
       bool diagonal = (n_block + 1) * kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q;
       return tail || diagonal;
+    } else if constexpr (Mask::kIsLocal) {
+      int const offset = seqlen_k - seqlen_q;
+      bool const right = (n_block + 1) * kBlockN - 1 > m_block * kBlockM + offset + window_right;
+      bool const left = n_block * kBlockN < (m_block + 1) * kBlockM - 1 + offset - window_left;
+      return tail || right || left;
     } else {
       return tail;
     }
+  }
+
+  // The visible keys [col_begin, col_end) of query row `row`, in keys.
+  CUTLASS_HOST_DEVICE int key_end(int row) const {
+    int end = seqlen_k;
+    if constexpr (Mask::kIsCausal) { end = min(end, row + 1 + seqlen_k - seqlen_q); }
+    if constexpr (Mask::kIsLocal) { end = min(end, row + 1 + seqlen_k - seqlen_q + window_right); }
+    return end;
+  }
+  CUTLASS_HOST_DEVICE int key_begin(int row) const {
+    if constexpr (Mask::kIsLocal) { return row + seqlen_k - seqlen_q - window_left; }
+    return 0;
   }
 
   // tSrS_rowcol: the thread's S accumulator as (rows, cols); tScS_rowcol: the tile
@@ -64,10 +142,21 @@ struct MaskPolicy {
       if constexpr (Mask::kIsCausal) {
         col_limit = min(col_limit, row + 1 + seqlen_k - seqlen_q);
       }
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
-        if (col0 + get<1>(tScS_rowcol(mi, ni)) >= col_limit) {
-          tSrS_rowcol(mi, ni) = -INFINITY;
+      if constexpr (Mask::kIsLocal) {
+        // One unsigned compare per element: col - col_begin in [0, width).
+        int const col_begin = key_begin(row) - col0;
+        uint32_t const width = uint32_t(max(key_end(row) - key_begin(row), 0));
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+          int const col = get<1>(tScS_rowcol(mi, ni));
+          if (uint32_t(col - col_begin) >= width) { tSrS_rowcol(mi, ni) = -INFINITY; }
+        }
+      } else {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+          if (col0 + get<1>(tScS_rowcol(mi, ni)) >= col_limit) {
+            tSrS_rowcol(mi, ni) = -INFINITY;
+          }
         }
       }
     }
@@ -88,6 +177,12 @@ struct MaskPolicy {
         bool masked = key >= seqlen_k;
         if constexpr (Mask::kIsCausal) {
           masked = masked || key > query0 + get<1>(tStcSt_rowcol(mi, ni)) + seqlen_k - seqlen_q;
+        }
+        if constexpr (Mask::kIsLocal) {
+          // One unsigned compare: key - key_begin in [0, width) (the tail is in key_end).
+          int const query = query0 + get<1>(tStcSt_rowcol(mi, ni));
+          int const begin = key_begin(query);
+          masked = uint32_t(key - begin) >= uint32_t(max(key_end(query) - begin, 0));
         }
         if (masked) { tStrSt_rowcol(mi, ni) = -INFINITY; }
       }

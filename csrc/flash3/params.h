@@ -51,6 +51,28 @@ struct FwdParams {
   // Multiprocessors of the device, for grid sizing of persistent schedulers.
   int num_sms = 0;
 
+  // Options of the local-mask kernels (mask.h LocalMask; the other kernels ignore them).
+  // The window, bottom-right aligned: row i sees keys [i + seqlen_k - seqlen_q -
+  // window_left, i + seqlen_k - seqlen_q + window_right], each side >= 0 (the binding
+  // clamps an unbounded side to the longest sequence, the same mask).
+  int window_left = 0;
+  int window_right = 0;
+  // softcap > 0: the scores are softcap * tanh(softmax_scale * q.k / softcap).
+  float softcap = 0.f;
+  // Attention sinks, float32 (nheads), or null: one logit per query head that joins each
+  // row's softmax denominator (and its logsumexp) with no value.
+  float const* sinks_ptr = nullptr;
+
+  CUTLASS_HOST_DEVICE bool has_softcap() const { return softcap > 0.f; }
+  // What multiplies Q K^T before the tanh under softcap.
+  CUTLASS_HOST_DEVICE float tanh_prescale() const { return has_softcap() ? softmax_scale / softcap : 0.f; }
+  // The factor from the scores the softmax sees (q.k, or tanh(...) under softcap) to
+  // logits in natural-log units, and in log2 units.
+  CUTLASS_HOST_DEVICE float logit_scale() const { return has_softcap() ? softcap : softmax_scale; }
+  CUTLASS_HOST_DEVICE float logit_scale_log2() const {
+    return has_softcap() ? softcap * 1.4426950408889634f : softmax_scale_log2;
+  }
+
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE SeqLayout seq_layout() const { return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k}; }
   // The row and batch extents of the tensors as TMA sees them (tma.h).
@@ -99,6 +121,10 @@ struct BwdParams : FwdParams {
   int seqlen_q_padded = 0;
   int dq_m_blocks = 0;  // m_blocks above: the dQ workspace's tiles per head
   bool deterministic = false;
+  // With sinks: float32 like dpsum, where the preprocess writes each row's share of the
+  // sinks' gradient, -exp(sink - lse) * dPsum (0 in rows past seqlen_q); the binding sums
+  // them per head.
+  float* dsink_rows_ptr = nullptr;
 };
 
 }  // namespace flash3

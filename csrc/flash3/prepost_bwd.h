@@ -3,7 +3,8 @@
 //     returned lse, if any) and the lse in the log2 domain, both into (batch, nheads,
 //     seqlen_q_padded) float32 rows that the mainloop loads with TMA. Rows past seqlen_q
 //     get lse = +inf (so P = 0 there), as do rows that saw no key (lse = -inf), whose
-//     output is 0 and whose gradient must be too.
+//     output is 0 and whose gradient must be too. With attention sinks, also each row's
+//     share of the sinks' gradient (params.h dsink_rows_ptr).
 //   postprocess: dQ = softmax_scale * dq_accum, from the workspace's register-ordered
 //     float32 tiles to the element type in dq's layout.
 // Both are bandwidth-bound passes over O, dO and dQ.
@@ -65,6 +66,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
     // Rows past seqlen_q: lse = +inf, so P = 0 there.
     params.dpsum_ptr[out_idx] = 0.f;
     params.lse_log2_ptr[out_idx] = INFINITY;
+    if (params.dsink_rows_ptr != nullptr) { params.dsink_rows_ptr[out_idx] = 0.f; }
     return;
   }
   int64_t const lse_idx =
@@ -73,6 +75,12 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
   if (params.dlse_ptr != nullptr) { sum -= params.dlse_ptr[lse_idx]; }
   params.dpsum_ptr[out_idx] = sum;
   params.lse_log2_ptr[out_idx] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+  if (params.dsink_rows_ptr != nullptr) {
+    // d lse / d sink = exp(sink - lse), the sink's probability; its value is 0, so
+    // d loss / d sink = P_sink * (0 - dPsum).
+    float const p_sink = lse == -INFINITY ? 0.f : __expf(params.sinks_ptr[head] - lse);
+    params.dsink_rows_ptr[out_idx] = -p_sink * sum;
+  }
 }
 
 // One CTA per query tile; thread t reads the elements consumer thread t held (the

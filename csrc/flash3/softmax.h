@@ -168,16 +168,25 @@ struct OnlineSoftmax {
   }
 
   // Divides O by the row sums and returns the natural-log logsumexp per row
-  // (-inf for a row that saw no key; its output is 0).
-  template <class TensorO>
-  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float softmax_scale) {
+  // (-inf for a row that saw no key; its output is 0). softmax_scale takes the raw
+  // scores to natural-log logits. kSink: an attention sink, a logit with no value, joins
+  // every row's sum (and its logsumexp; a row that saw no key then has lse = sink).
+  template <bool kSink = false, class TensorO>
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float softmax_scale, float sink = 0.f) {
     Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const sum = quad_allreduce(row_sum(mi), SumOp{});
       bool const empty = sum == 0.f || sum != sum;
-      float const inv_sum = empty ? 0.f : 1.f / sum;
+      float inv_sum = empty ? 0.f : 1.f / sum;
       lse(mi) = empty ? -INFINITY : row_max(mi) * softmax_scale + __logf(sum);
+      if constexpr (kSink) {
+        // lse = log(exp(lse_keys) + exp(sink)); O's rows were summed against the row max.
+        float const top = fmaxf(lse(mi), sink);
+        float const total = top == -INFINITY ? -INFINITY : top + __logf(__expf(lse(mi) - top) + __expf(sink - top));
+        inv_sum = empty ? 0.f : __expf(row_max(mi) * softmax_scale - total);
+        lse(mi) = total;
+      }
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) {
         tOrO_rowcol(mi, ni) *= inv_sum;

@@ -198,4 +198,17 @@ CUTLASS_DEVICE float row_max_float(TensorRowCol const& t, int mi, int begin) {
   }
 }
 
+// Softcap's tanh (MUFU.TANH, as FlashAttention-3's): the scores become tanh(s * prescale)
+// in place; the softmax then scales them by softcap (params.h logit_scale).
+CUTLASS_DEVICE float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+template <class TensorS>
+CUTLASS_DEVICE void apply_tanh(TensorS& tSrS, float prescale) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanh_approx(tSrS(i) * prescale); }
+}
+
 }  // namespace flash3
