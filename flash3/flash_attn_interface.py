@@ -22,12 +22,16 @@ What flash3 runs, and what it does not run yet:
   FP8 forward of :mod:`flash3.fp8` (head dims 64, 128, 256; others up to 256 padded);
   fixed-length batches only, no backward (as in FlashAttention-3).
 * :func:`flash_attn_combine` merges split-KV partial results (in PyTorch, exact in float32).
-* ``window_size`` (-1, -1), or (-1, 0) which is causal; a window covering the whole
-  sequence is the same as none, as in FlashAttention-3. Sliding windows otherwise,
-  ``softcap`` other than 0, ``qv``, ``attention_chunk`` other than 0, split-KV in the
-  attention calls (``num_splits`` > 1), a V head dim different from Q/K's,
-  and the KV cache (:func:`flash_attn_with_kvcache`, paged KV) raise
-  ``NotImplementedError`` naming the argument, before any other check.
+* ``window_size`` (sliding windows, FlashAttention-3's definition and normalisation: a
+  window covering the whole sequence is none, (-1, 0) is causal), ``softcap``, and
+  attention sinks as the keyword-only ``learnable_sink`` (one float32 logit per query
+  head, FlashAttention's name for them; gradients flow to it) run flash3's local-mask
+  kernels, in bf16 / fp16, dense and variable-length, forward and backward. With
+  float8 inputs they raise ``NotImplementedError``.
+* ``qv``, ``attention_chunk`` other than 0, split-KV in the attention calls
+  (``num_splits`` > 1), a V head dim different from Q/K's, and the KV cache
+  (:func:`flash_attn_with_kvcache`, paged KV) raise ``NotImplementedError`` naming the
+  argument, before any other check.
 * ``pack_gqa`` and ``sm_margin`` are tuning hints; flash3 accepts and ignores them
   (flash3 always reads the shared K/V head in place for GQA, and uses every SM).
 * Descales given with bf16/fp16 inputs are ignored, as FlashAttention-3 ignores them.
@@ -81,11 +85,12 @@ def _as_int(x, fname, name):
 
 
 def _window(fname, window_size, causal, seqlen_q, seqlen_k):
-    """FlashAttention-3's window semantics reduced to what flash3 runs: returns causal.
+    """FlashAttention-3's window semantics: returns (causal, (left, right)).
 
     As in FlashAttention-3 (hopper/flash_api.cpp), a left window of at least seqlen_k - 1
     and a right window of at least seqlen_q - 1 are no window, causal forces the right
-    window to 0, and (-1, 0) is the causal mask."""
+    window to 0, and (-1, 0) is the causal mask; what is left is a sliding window, which
+    flash3.attention runs (the window (-1, -1) when there is none)."""
     if not isinstance(causal, bool):
         raise TypeError(f"{fname}: causal is {type(causal).__name__}; supported: bool")
     try:
@@ -104,15 +109,31 @@ def _window(fname, window_size, causal, seqlen_q, seqlen_k):
     if causal:
         right = 0
     if left == -1 and right in (-1, 0):
-        return right == 0
-    _not_implemented(fname, "window_size", given, "sliding window (local) attention")
+        return right == 0, (-1, -1)
+    return causal, (left, right)
+
+
+def _options(fname, window, softcap, learnable_sink, fp8=False):
+    """flash3.attention's keyword arguments for the window, softcap and sinks, only those
+    that are not their defaults (float8 inputs take none of them)."""
+    options = {}
+    if window != (-1, -1):
+        options["window_size"] = window
+    if softcap is not None and softcap != 0:
+        options["softcap"] = softcap
+    if learnable_sink is not None:
+        options["sinks"] = learnable_sink
+    if fp8 and options:
+        name = {"window_size": "window_size", "softcap": "softcap", "sinks": "learnable_sink"}[next(iter(options))]
+        _not_implemented(fname, name, options[next(iter(options))], "FP8 attention with windows, softcap or sinks")
+    return options
 
 
 def _check_common(fname, *, qv=None, softcap=0.0, attention_chunk=0, num_splits=1):
     if qv is not None:
         _not_implemented(fname, "qv", qv, "the extra qv operand (q k^T + qv v^T scores)")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap != 0):
-        _not_implemented(fname, "softcap", softcap, "softcapping")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise TypeError(f"{fname}: softcap is {type(softcap).__name__}; supported: a float >= 0 (0: off)")
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk != 0:
         _not_implemented(fname, "attention_chunk", attention_chunk, "chunked attention")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits not in (0, 1):
@@ -152,15 +173,18 @@ def _is_tensor(*ts):
 # ----------------------------------------------------------------------------------------
 
 
-def _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_lse, descales):
+def _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_lse, descales, options):
     if not _is_tensor(q, k, v):
         # flash3.attention reports the wrong argument type
         return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                          deterministic=deterministic)
+                          deterministic=deterministic, **options)
     d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = d ** (-0.5)  # from the caller's head dim, before any padding
     if q.dtype == _E4M3:
+        if options:
+            _options(fname, options.get("window_size", (-1, -1)), options.get("softcap", 0.0),
+                     options.get("sinks"), fp8=True)
         dp = _padded_headdim(d, _fp8.SUPPORTED_HEADDIMS)
         q8, k8, v8 = (_pad_last(t, dp) if t.dtype == _E4M3 else t for t in (q, k, v))
         q_descale, k_descale, v_descale = descales
@@ -173,7 +197,7 @@ def _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_lse, des
         else:
             dp = d
         out, lse = _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                              deterministic=deterministic)
+                              deterministic=deterministic, **options)
     if dp != d:
         out = out[..., :d].contiguous()
     return (out, lse) if return_lse else out
@@ -195,6 +219,8 @@ def flash_attn_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """FlashAttention-3's ``flash_attn_func`` on flash3: softmax(q k^T * softmax_scale) v.
 
@@ -211,12 +237,15 @@ def flash_attn_func(
 
             A row that sees no key (seqlen_q > seqlen_k) gives 0 and lse -inf.
         q_descale, k_descale, v_descale: float32 (batch_size, nheads_k) for float8 inputs.
-        window_size: (-1, -1), or (-1, 0) (causal); other windows raise NotImplementedError
-            unless they cover the whole sequence.
+        window_size: (left, right) sliding window, -1 unbounded: query row i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+        softcap: > 0 caps the scores: softcap * tanh(scores / softcap).
+        learnable_sink: keyword-only, None or (nheads,) float32: attention sinks, one logit
+            per query head in each row's softmax denominator (gradients flow to it).
         deterministic: bitwise reproducible backward.
         return_attn_probs: also return softmax_lse, float32 (batch_size, nheads, seqlen_q)
             (FlashAttention-3 returns the logsumexp here, not the probabilities).
-        qv, attention_chunk != 0, softcap != 0, num_splits > 1: NotImplementedError.
+        qv, attention_chunk != 0, num_splits > 1: NotImplementedError.
         pack_gqa, sm_margin: accepted and ignored.
 
     Returns:
@@ -233,10 +262,10 @@ def flash_attn_func(
     fname = "flash_attn_func"
     _check_common(fname, qv=qv, softcap=softcap, attention_chunk=attention_chunk, num_splits=num_splits)
     seqlens = (q.shape[1], k.shape[1]) if _is_tensor(q, k) and q.dim() == 4 and k.dim() == 4 else (None, None)
-    causal = _window(fname, window_size, causal, *seqlens)
+    causal, window = _window(fname, window_size, causal, *seqlens)
     _check_v_headdim(fname, q, k, v)
     return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
-                  (q_descale, k_descale, v_descale))
+                  (q_descale, k_descale, v_descale), _options(fname, window, softcap, learnable_sink))
 
 
 def flash_attn_qkvpacked_func(
@@ -251,6 +280,8 @@ def flash_attn_qkvpacked_func(
     num_heads_q=None,
     sm_margin=0,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """FlashAttention-3's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` on q, k, v
     stacked in one tensor.
@@ -283,9 +314,9 @@ def flash_attn_qkvpacked_func(
     else:
         raise ValueError(f"{fname}: qkv.dim() is {qkv.dim()}; supported: 5 (batch, seqlen, 3, nheads, headdim) "
                          "or 4 with num_heads_q")
-    causal = _window(fname, window_size, causal, qkv.shape[1], qkv.shape[1])
+    causal, window = _window(fname, window_size, causal, qkv.shape[1], qkv.shape[1])
     return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
-                  (q_descale, k_descale, v_descale))
+                  (q_descale, k_descale, v_descale), _options(fname, window, softcap, learnable_sink))
 
 
 # ----------------------------------------------------------------------------------------
@@ -323,6 +354,8 @@ def flash_attn_varlen_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """FlashAttention-3's ``flash_attn_varlen_func`` on :func:`flash3.attention_varlen`.
 
@@ -348,7 +381,8 @@ def flash_attn_varlen_func(
         max_seqlen_q = _as_int(max_seqlen_q, fname, "max_seqlen_q")
     if max_seqlen_k is not None:
         max_seqlen_k = _as_int(max_seqlen_k, fname, "max_seqlen_k")
-    causal = _window(fname, window_size, causal, max_seqlen_q, max_seqlen_k)
+    causal, window = _window(fname, window_size, causal, max_seqlen_q, max_seqlen_k)
+    options = _options(fname, window, softcap, learnable_sink)
     _check_v_headdim(fname, q, k, v)
     if isinstance(q, torch.Tensor) and q.dtype == _E4M3:
         _not_implemented(fname, "q.dtype", q.dtype, "FP8 variable-length attention")
@@ -368,7 +402,7 @@ def flash_attn_varlen_func(
     out, lse = attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
-        return_lse=True, deterministic=deterministic,
+        return_lse=True, deterministic=deterministic, **options,
     )
     if dp != d:
         out = out[..., :d].contiguous()
@@ -413,7 +447,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """FlashAttention-3's KV-cache attention (in-place cache append, rotary, paged KV):
-    not implemented in flash3 yet. For decoding with a cache held by the caller, call
+    not implemented in flash3 yet (windows, softcap and sinks will come with it). For decoding with a cache held by the caller, call
     :func:`flash_attn_func` with the cache's valid keys (causal masks are bottom-right
     aligned, so a query row sees the whole cache and the keys up to its own position)."""
     raise NotImplementedError("flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet")

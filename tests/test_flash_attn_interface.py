@@ -69,9 +69,20 @@ REQUIRED = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_
             "out_partial", "lse_partial", "k_cache", "v_cache"}
 
 
+# Keyword-only additions after FlashAttention-3's parameters: attention sinks, under the
+# name FlashAttention uses for them.
+EXTRA_KEYWORDS = {"flash_attn_func": ["learnable_sink"], "flash_attn_varlen_func": ["learnable_sink"],
+                  "flash_attn_qkvpacked_func": ["learnable_sink"]}
+
+
 @pytest.mark.parametrize("name", sorted(FA3_SIGNATURES))
 def test_signature_matches_flash_attention_3(name):
     params = list(inspect.signature(getattr(fai, name)).parameters.values())
+    extra = EXTRA_KEYWORDS.get(name, [])
+    if extra:
+        assert [p.name for p in params[-len(extra):]] == extra
+        assert all(p.kind == p.KEYWORD_ONLY and p.default is None for p in params[-len(extra):])
+        params = params[:-len(extra)]
     assert [p.name for p in params] == [n for n, _ in FA3_SIGNATURES[name]]
     for p, (n, default) in zip(params, FA3_SIGNATURES[name]):
         assert p.kind == p.POSITIONAL_OR_KEYWORD, n
@@ -103,18 +114,11 @@ def test_package_exports_the_interface():
 # ----------------------------------------------------------------------------------------
 
 UNSUPPORTED = [
-    (dict(window_size=(4, 4)), r"window_size=\(4, 4\): sliding window"),
-    (dict(window_size=(4, -1)), r"window_size=\(4, -1\): sliding window"),
-    (dict(window_size=(-1, 4)), r"window_size=\(-1, 4\): sliding window"),
-    (dict(window_size=torch.tensor([3, 0])), r"window_size=\(3, 0\): sliding window"),
-    (dict(causal=True, window_size=(8, 0)), r"window_size=\(8, 0\): sliding window"),
-    (dict(softcap=30.0), r"softcap=30\.0: softcapping"),
     (dict(attention_chunk=8), r"attention_chunk=8: chunked attention"),
     (dict(num_splits=3), r"num_splits=3: split-KV"),
     (dict(qv="QV"), r"qv=.*: the extra qv operand"),
 ]
-UNSUPPORTED_IDS = ["window44", "window-left", "window-right", "window-tensor", "causal-window", "softcap", "chunk",
-                   "num_splits", "qv"]
+UNSUPPORTED_IDS = ["chunk", "num_splits", "qv"]
 
 
 def _resolve(kwargs, q):
@@ -172,8 +176,11 @@ def test_kvcache_combine_scheduler_not_implemented():
     dict(), dict(window_size=(-1, -1)), dict(window_size=[-1, 0]), dict(causal=True, window_size=(-1, 0)),
     dict(window_size=(32, 16)), dict(window_size=(100, 100)), dict(causal=True, window_size=(-1, 7)),
     dict(num_splits=0), dict(pack_gqa=True), dict(sm_margin=8), dict(softcap=0), dict(attention_chunk=0),
+    dict(window_size=(4, 4)), dict(window_size=torch.tensor([3, 0])), dict(causal=True, window_size=(8, 0)),
+    dict(softcap=30.0), dict(learnable_sink=torch.zeros(4)),
 ], ids=["default", "no-window", "causal-window", "causal+window", "window-covers-all", "window-beyond", "causal-right",
-        "num_splits0", "pack_gqa", "sm_margin", "softcap0", "chunk0"])
+        "num_splits0", "pack_gqa", "sm_margin", "softcap0", "chunk0", "window44", "window-tensor", "causal-window8",
+        "softcap30", "sinks"])
 def test_supported_arguments_reach_the_device_check(kwargs):
     # (32, 16) covers the whole 17 x 33 score matrix: no window, as in FlashAttention-3.
     q, k, v = _qkv()
@@ -194,17 +201,19 @@ def test_varlen_without_attention_varlen_says_so(monkeypatch):
 # ----------------------------------------------------------------------------------------
 
 
-def _reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+def _reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False,
+                         window_size=(-1, -1), softcap=0.0, sinks=None):
     """flash3.attention's contract on CPU: only built head dims, output in q's dtype."""
     assert q.shape[-1] in flash3.SUPPORTED_HEADDIMS, q.shape
-    out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
+    out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True,
+                             window_size=window_size, softcap=softcap, sinks=sinks)
     out = out.to(q.dtype).contiguous()
     return (out, lse) if return_lse else out
 
 
 def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
                       seqused_k=None, causal=False, softmax_scale=None, return_lse=False, deterministic=False,
-                      validate=False):
+                      validate=False, window_size=(-1, -1), softcap=0.0, sinks=None):
     assert q.shape[-1] in flash3.SUPPORTED_HEADDIMS, q.shape
     assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
     out = torch.zeros_like(q)
@@ -217,7 +226,8 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         if seqused_k is not None:
             k1 = k0 + int(seqused_k[i])
         o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
-                             softmax_scale=softmax_scale, upcast=True)
+                             softmax_scale=softmax_scale, upcast=True, window_size=window_size, softcap=softcap,
+                             sinks=sinks)
         out[q0:q1] = o[0].to(q.dtype)
         lse[:, q0:q1] = l[0]
     return (out, lse) if return_lse else out
@@ -254,6 +264,37 @@ def test_custom_softmax_scale_is_kept_with_padding_cpu(cpu_kernels):
     q, k, v = _qkv(d=80, dtype=torch.float64)
     out = flash_attn_func(q, k, v, softmax_scale=0.3)
     torch.testing.assert_close(out, attention_ref(q, k, v, softmax_scale=0.3)[0])
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_window_softcap_sinks_reach_attention_cpu(cpu_kernels, d):
+    """window_size, softcap and learnable_sink arrive at flash3.attention as its
+    window_size, softcap and sinks (FlashAttention-3's window normalisation first), head
+    dim padding included."""
+    q, k, v = _qkv(d=d, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)
+    out, lse = flash_attn_func(q, k, v, causal=True, window_size=(5, 3), softcap=7.0, learnable_sink=sinks,
+                               return_attn_probs=True)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True, window_size=(5, 0), softcap=7.0, sinks=sinks)
+    torch.testing.assert_close(out, out_ref.to(q.dtype))
+    torch.testing.assert_close(lse, lse_ref)
+    qkv = torch.stack([q, q, q], dim=2)
+    out = flash_attn_qkvpacked_func(qkv, window_size=(2, 1), softcap=3.0)
+    torch.testing.assert_close(out, attention_ref(q, q, q, window_size=(2, 1), softcap=3.0)[0].to(q.dtype))
+    qv, kv, vv = (t[0] for t in (q, k, v))
+    cu_q = torch.tensor([0, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 33], dtype=torch.int32)
+    out = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 17, 33, window_size=(4, 2), learnable_sink=sinks)
+    ref = attention_ref(q[:1], k[:1], v[:1], window_size=(4, 2), sinks=sinks)[0][0]
+    torch.testing.assert_close(out, ref.to(q.dtype))
+
+
+def test_fp8_with_window_softcap_or_sinks_not_implemented():
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv())
+    for kwargs, name in ((dict(window_size=(4, 0)), "window_size"), (dict(softcap=5.0), "softcap"),
+                         (dict(learnable_sink=torch.zeros(4)), "learnable_sink")):
+        with pytest.raises(NotImplementedError, match=f"flash_attn_func: {name}=.*FP8 attention with windows"):
+            flash_attn_func(q, k, v, **kwargs)
 
 
 def test_window_minus_one_zero_is_causal_cpu(cpu_kernels):
@@ -445,6 +486,34 @@ def test_flash_attn_func_matches_flash3_attention_bitwise(seed):
     out3, lse3 = flash3.attention(q, k, v, causal=True, softmax_scale=0.1, return_lse=True)
     assert torch.equal(out, out3) and torch.equal(lse, lse3)
     assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, 0)), flash3.attention(q, k, v, causal=True))
+
+
+@pytest.mark.gpu
+def test_window_softcap_sinks_match_flash3_bitwise(seed):
+    """The options go to the local-mask kernels unchanged, forward and backward (the
+    sinks' gradient included), through all three functions."""
+    if not all(flash3.is_supported(kind, torch.bfloat16, 128, False, mask="local") for kind in ("fwd", "bwd")):
+        pytest.skip("bf16 hdim128 local-mask kernels not in this build")
+    q, k, v = _cuda_qkv(seed, 2, 300, 500, 8, 2, 128, torch.bfloat16, requires_grad=True)
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    opts = dict(causal=True, window_size=(100, 0), softcap=20.0)
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sinks, return_attn_probs=True, **opts)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks))
+    out3, lse3 = flash3.attention(q, k, v, sinks=sinks, return_lse=True, **opts)
+    grads3 = torch.autograd.grad(out3.float().square().sum(), (q, k, v, sinks))
+    assert torch.equal(out, out3) and torch.equal(lse, lse3)
+    for g, g3 in zip(grads, grads3):
+        assert torch.equal(g, g3)
+    # varlen: one sequence, the same call
+    cu_q = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 500], dtype=torch.int32, device="cuda")
+    out_v = flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 300, 500, learnable_sink=sinks, **opts)
+    torch.testing.assert_close(out_v, out3[0])  # the packed kernel: same math, not always the same bits
+    # qkvpacked (seqlen_q = seqlen_k)
+    qkv = torch.randn(1, 257, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out_p = flash_attn_qkvpacked_func(qkv, window_size=(31, 31), softcap=10.0)
+    ref = flash3.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], window_size=(31, 31), softcap=10.0)
+    assert torch.equal(out_p, ref)
 
 
 @pytest.mark.gpu

@@ -180,11 +180,8 @@ def test_attention_forward_packed_sequences(cpu_kernels):
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(sliding_window=4), r"sliding_window=4"),
-    (dict(softcap=50.0), r"softcap=50\.0"),
-    (dict(s_aux=torch.zeros(4)), r"s_aux"),
     (dict(dropout=0.1), r"dropout=0\.1"),
-], ids=["sliding_window", "softcap", "sinks", "dropout"])
+], ids=["dropout"])
 def test_attention_forward_unsupported(kwargs, pattern):
     q, k, v = _bhsd(4, 2, 4, 2, 9, 9)
     with pytest.raises(NotImplementedError, match=pattern + ".*not implemented in flash3 yet"):
@@ -198,6 +195,27 @@ def test_attention_forward_4d_mask_and_v_headdim_unsupported():
         attention_forward(_Attn(), q, k, v, torch.ones(2, 1, 9, 9, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match=r"V head dim"):
         attention_forward(_Attn(), q, k, v[..., :32], None)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_attention_forward_window_softcap_sinks(cpu_kernels, padded):
+    """sliding_window w -> window (w - 1, w - 1) with causal (a query sees itself and the
+    w - 1 keys before it), softcap -> softcap, s_aux -> sinks; dense and padded batches."""
+    attention_forward = _integration().attention_forward
+    q, k, v = _bhsd(8, 2, 4, 2, 9, 9)
+    sinks = torch.randn(4, dtype=torch.float64)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    if padded:
+        mask[1, :3] = False  # left padding of the second sequence
+    out, _ = attention_forward(_Attn(), q, k, v, mask if padded else None, sliding_window=4, softcap=20.0,
+                               s_aux=sinks)
+    for b in range(2):
+        keep = mask[b]
+        qb, kb, vb = (t[b:b + 1].transpose(1, 2)[:, keep] for t in (q, k, v))
+        ref, _ = attention_ref(qb, kb, vb, causal=True, window_size=(3, 3), softcap=20.0, sinks=sinks)
+        torch.testing.assert_close(out[b:b + 1, keep], ref.to(out.dtype))
+        if padded:
+            assert torch.all(out[b, ~keep] == 0)
 
 
 def test_attention_forward_window_longer_than_keys_is_no_window(cpu_kernels):

@@ -48,9 +48,14 @@ aligned, so decoding with a KV cache needs no offset):
   ``max_length_q/k`` given): :func:`flash3.attention_varlen` on the packed tokens;
 * static caches (keys longer than the tokens written so far): the unused slots are cut.
 
-Not supported yet (``NotImplementedError``): sliding windows (a ``sliding_window``
-shorter than the keys), ``softcap``, attention sinks (``s_aux``), dropout > 0,
-4-D (custom) attention masks, a V head dim different from Q/K's. Mask patterns that
+Sliding windows (``sliding_window``: a query sees itself and the ``sliding_window - 1``
+keys before it, passed on as ``window_size=(sliding_window - 1, sliding_window - 1)`` with
+causal masking, as transformers' own FlashAttention path does; nothing when the window
+covers every key), ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss) run
+flash3's local-mask kernels, on every path below.
+
+Not supported yet (``NotImplementedError``): dropout > 0, 4-D (custom) attention masks,
+a V head dim different from Q/K's. Mask patterns that
 transformers builds beyond causal, padding and packing (chunked attention, bidirectional
 image-token blocks) are not seen by this backend, as by transformers' own FlashAttention
 backends. ``output_attentions`` is not available (None is returned for the weights).
@@ -225,14 +230,6 @@ def attention_forward(
     """transformers' attention interface on flash3: query (batch, heads, q_len, dim), key
     and value (batch, kv_heads, kv_len, dim), ``attention_mask`` from :func:`padding_mask`.
     Returns ``(attn_output (batch, q_len, heads, dim), None)``."""
-    if sliding_window is not None and key.shape[2] > sliding_window:
-        # A window at least as long as the keys masks nothing (transformers' FlashAttention
-        # path passes no window then either).
-        _unsupported("sliding_window", sliding_window, "sliding window attention")
-    if softcap is not None and softcap != 0:
-        _unsupported("softcap", softcap, "softcapping")
-    if kwargs.get("s_aux") is not None:
-        _unsupported("s_aux", "<tensor>", "attention sinks")
     if dropout:
         _unsupported("dropout", dropout, "attention dropout")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -247,6 +244,14 @@ def attention_forward(
         deterministic = (os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
                          or torch.are_deterministic_algorithms_enabled())
     common = dict(softmax_scale=scaling, causal=causal, deterministic=bool(deterministic))
+    # A window at least as long as the keys masks nothing (transformers' FlashAttention
+    # path passes no window then either); otherwise (w - 1, w - 1) as that path does.
+    if sliding_window is not None and key.shape[2] > sliding_window:
+        common["window_size"] = (sliding_window - 1, sliding_window - 1)
+    if softcap is not None and softcap != 0:
+        common["softcap"] = float(softcap)
+    if kwargs.get("s_aux") is not None:
+        common["learnable_sink"] = kwargs["s_aux"]
 
     # (batch, heads, seq, dim) -> (batch, seq, heads, dim): views, no copy
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
