@@ -55,7 +55,7 @@ def worker(tree, dtype_name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trees", required=True)
+    ap.add_argument("--trees", help="name=folder,... (the first is the base)")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out")
@@ -64,6 +64,8 @@ def main():
     if args.worker:
         worker(args.worker, args.dtype)
         return
+    if not args.trees:
+        ap.error("--trees is required")
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
     names = list(trees)
     runs = {n: [] for n in names}
