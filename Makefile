@@ -24,7 +24,7 @@ SOURCES := setup.py $(shell find csrc -name '*.cu' -o -name '*.cpp' -o -name '*.
 $(VENV)/.deps:
 	$(BOOTSTRAP_PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) nvidia-cutlass ninja pybind11 pytest numpy matplotlib setuptools wheel
+	$(VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) nvidia-cutlass ninja pybind11 pytest numpy matplotlib setuptools wheel "transformers>=5"
 	touch $@
 
 ifeq ($(PYTHON),$(VENV)/bin/python)
