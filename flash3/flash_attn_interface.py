@@ -42,6 +42,7 @@ Argument errors (types, shapes, devices, kernels left out of the build) are thos
 from __future__ import annotations
 
 import importlib
+import math
 import operator
 
 import torch
@@ -99,7 +100,6 @@ def _window(fname, window_size, causal, seqlen_q, seqlen_k):
         raise TypeError(f"{fname}: window_size is {window_size!r}; supported: a pair (left, right)") from None
     left = _as_int(left, fname, "window_size[0]")
     right = _as_int(right, fname, "window_size[1]")
-    given = (left, right)
     if seqlen_k is not None and left >= seqlen_k - 1:
         left = -1
     if seqlen_q is not None and right >= seqlen_q - 1:
@@ -134,10 +134,27 @@ def _check_common(fname, *, qv=None, softcap=0.0, attention_chunk=0, num_splits=
         _not_implemented(fname, "qv", qv, "the extra qv operand (q k^T + qv v^T scores)")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
         raise TypeError(f"{fname}: softcap is {type(softcap).__name__}; supported: a float >= 0 (0: off)")
+    if softcap is not None and not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"{fname}: softcap is {softcap}; supported: a finite float >= 0 (0: off)")
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk != 0:
         _not_implemented(fname, "attention_chunk", attention_chunk, "chunked attention")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits not in (0, 1):
         _not_implemented(fname, "num_splits", num_splits, "split-KV")
+
+
+def _check_learnable_sink(fname, learnable_sink, q):
+    """learnable_sink: None or a floating tensor of shape (nheads,) (q's heads)."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"{fname}: learnable_sink is {type(learnable_sink).__name__}; supported: None or a "
+                        "torch.Tensor of shape (nheads,)")
+    if not learnable_sink.is_floating_point():
+        raise TypeError(f"{fname}: learnable_sink.dtype is {learnable_sink.dtype}; supported: a floating dtype "
+                        "(float32 is used)")
+    if isinstance(q, torch.Tensor) and q.dim() >= 2 and tuple(learnable_sink.shape) != (q.shape[-2],):
+        raise ValueError(f"{fname}: learnable_sink.shape is {tuple(learnable_sink.shape)}; supported: (nheads,) = "
+                         f"({q.shape[-2]},)")
 
 
 def _check_v_headdim(fname, q, k, v):
@@ -238,10 +255,21 @@ def flash_attn_func(
             A row that sees no key (seqlen_q > seqlen_k) gives 0 and lse -inf.
         q_descale, k_descale, v_descale: float32 (batch_size, nheads_k) for float8 inputs.
         window_size: (left, right) sliding window, -1 unbounded: query row i sees key j iff
-            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
-        softcap: > 0 caps the scores: softcap * tanh(scores / softcap).
-        learnable_sink: keyword-only, None or (nheads,) float32: attention sinks, one logit
-            per query head in each row's softmax denominator (gradients flow to it).
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+            (bottom-right aligned). As in FlashAttention-3, causal sets right to 0, a side
+            reaching past the sequence (left >= seqlen_k - 1, right >= seqlen_q - 1) is
+            unbounded and (-1, 0) is the causal mask. For seqlen_q = seqlen_k = 4,
+            window_size = (1, 0)::
+
+                1 0 0 0
+                1 1 0 0
+                0 1 1 0
+                0 0 1 1
+
+        softcap: > 0 caps the scores: softcap * tanh(scores / softcap) (0: off).
+        learnable_sink: keyword-only, None or (nheads,), used as float32: attention sinks,
+            one logit per query head in each row's softmax denominator (no value); the lse
+            includes it and gradients flow to it.
         deterministic: bitwise reproducible backward.
         return_attn_probs: also return softmax_lse, float32 (batch_size, nheads, seqlen_q)
             (FlashAttention-3 returns the logsumexp here, not the probabilities).
@@ -264,6 +292,7 @@ def flash_attn_func(
     seqlens = (q.shape[1], k.shape[1]) if _is_tensor(q, k) and q.dim() == 4 and k.dim() == 4 else (None, None)
     causal, window = _window(fname, window_size, causal, *seqlens)
     _check_v_headdim(fname, q, k, v)
+    _check_learnable_sink(fname, learnable_sink, q)
     return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
                   (q_descale, k_descale, v_descale), _options(fname, window, softcap, learnable_sink))
 
@@ -315,6 +344,7 @@ def flash_attn_qkvpacked_func(
         raise ValueError(f"{fname}: qkv.dim() is {qkv.dim()}; supported: 5 (batch, seqlen, 3, nheads, headdim) "
                          "or 4 with num_heads_q")
     causal, window = _window(fname, window_size, causal, qkv.shape[1], qkv.shape[1])
+    _check_learnable_sink(fname, learnable_sink, q)
     return _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_attn_probs,
                   (q_descale, k_descale, v_descale), _options(fname, window, softcap, learnable_sink))
 
@@ -384,6 +414,7 @@ def flash_attn_varlen_func(
     causal, window = _window(fname, window_size, causal, max_seqlen_q, max_seqlen_k)
     options = _options(fname, window, softcap, learnable_sink)
     _check_v_headdim(fname, q, k, v)
+    _check_learnable_sink(fname, learnable_sink, q)
     if isinstance(q, torch.Tensor) and q.dtype == _E4M3:
         _not_implemented(fname, "q.dtype", q.dtype, "FP8 variable-length attention")
     attention_varlen = getattr(importlib.import_module(__package__), "attention_varlen", None)
@@ -447,9 +478,11 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """FlashAttention-3's KV-cache attention (in-place cache append, rotary, paged KV):
-    not implemented in flash3 yet (windows, softcap and sinks will come with it). For decoding with a cache held by the caller, call
-    :func:`flash_attn_func` with the cache's valid keys (causal masks are bottom-right
-    aligned, so a query row sees the whole cache and the keys up to its own position)."""
+    not implemented in flash3 yet; ``window_size`` and ``softcap`` (and sinks) will come
+    with it, as in :func:`flash_attn_func`. For decoding with a cache held by the caller,
+    call :func:`flash_attn_func` with the cache's valid keys (causal masks and windows are
+    bottom-right aligned, so a query row sees the whole cache, or its window of it, and
+    the keys up to its own position)."""
     raise NotImplementedError("flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet")
 
 

@@ -1,9 +1,16 @@
 """Argument handling, dispatch checks, autograd and torch.compile registration.
 
-The compiled op is ``torch.ops.flash3.fwd(q, k, v, softmax_scale, causal) -> (out, lse)``,
-registered with the PyTorch dispatcher by ``flash3._C``. This module validates arguments
-before any launch, gives the op a fake (meta) implementation so that
-``torch.compile(fullgraph=True)`` traces it as one node, and wires autograd.
+The compiled ops, registered with the PyTorch dispatcher by ``flash3._C``, are::
+
+    fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+        softcap=0.0, sinks=None) -> (out, lse)
+    bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, window_left=-1,
+        window_right=-1, softcap=0.0, sinks=None) -> (dq, dk, dv, dsinks)
+
+(``sinks`` float32 ``(nheads,)``; ``dsinks`` float32 ``(nheads,)``, or ``(0,)`` without
+sinks). This module validates arguments before any launch, gives the ops fake (meta)
+implementations so that ``torch.compile(fullgraph=True)`` traces a call as one node, and
+wires autograd (gradients to q, k, v, and to the sinks).
 """
 from __future__ import annotations
 
@@ -31,8 +38,10 @@ class KernelNotBuiltError(ValueError):
 def build_info() -> dict:
     """What this installation holds: its kernels, CUDA and CUTLASS versions.
 
-    ``kernels`` lists dicts ``{"kind", "dtype", "hdim", "causal"}``. Without the compiled
-    extension the list is empty and ``error`` says why.
+    ``kernels`` lists dicts ``{"kind", "dtype", "hdim", "mask", "causal"}``: ``mask`` is
+    "none", "causal" or "local" (the kernel of sliding windows, softcap and attention
+    sinks), ``causal`` is True for the "causal" mask only. Without the compiled extension
+    the list is empty and ``error`` says why.
     """
     if _C is None:
         return {"kernels": [], "error": f"flash3._C failed to import: {_C_IMPORT_ERROR}"}
@@ -133,6 +142,9 @@ def _check_devices(fn, q, others):
         _fail(TypeError, "q.device", f"{q.device} (sm_{major}{minor})", "Hopper GPUs (sm_90: H100, H200)", fn)
 
 
+_WINDOW_CAP = 2**31 - 1
+
+
 def _check_options(fn, q, window_size, softcap, sinks):
     """window_size a pair of ints >= -1, softcap a finite real >= 0, sinks None or a
     floating tensor of shape (nheads,)."""
@@ -157,7 +169,9 @@ def _check_options(fn, q, window_size, softcap, sinks):
         nheads = q.shape[-2]
         if tuple(sinks.shape) != (nheads,):
             _fail(ValueError, "sinks.shape", tuple(sinks.shape), f"(nheads,) = ({nheads},)", fn)
-    return int(left), int(right), float(softcap)
+    # A side reaching past every sequence is unbounded whatever its size; the cap keeps
+    # Python ints of any size within the op's int64.
+    return min(int(left), _WINDOW_CAP), min(int(right), _WINDOW_CAP), float(softcap)
 
 
 def _mask_kind(causal, window, softcap, sinks, max_seqlen_q, max_seqlen_k):
@@ -175,13 +189,18 @@ def _mask_kind(causal, window, softcap, sinks, max_seqlen_q, max_seqlen_k):
     return "causal" if is_causal else "none"
 
 
-def _check_inputs(q, k, v, causal, softmax_scale):
-    # Types and shapes first, devices last: every argument error is reported the same way
-    # on a machine without a GPU.
+def _check_inputs(q, k, v, causal, softmax_scale, deterministic=False, window_size=(-1, -1), softcap=0.0,
+                  sinks=None):
+    """Every argument of flash3.attention; returns the options as the op takes them:
+    (window_left, window_right, softcap)."""
+    # Types, shapes and values first, devices last: every argument error is reported the
+    # same way on a machine without a GPU.
     fn = "flash3.attention"
     _check_tensors(fn, q, k, v)
-    _check_flags(fn, causal, softmax_scale)
-    _check_devices(fn, q, [("k", k), ("v", v)])
+    _check_flags(fn, causal, softmax_scale, deterministic)
+    options = _check_options(fn, q, window_size, softcap, sinks)
+    _check_devices(fn, q, [("k", k), ("v", v)] + ([("sinks", sinks)] if sinks is not None else []))
+    return options
 
 
 def _check_built(kind, q, causal, mask=None, fn="flash3.attention"):
@@ -235,6 +254,7 @@ if _C is not None:
         ctx.deterministic = inputs[5] if len(inputs) > 5 else False
         ctx.window_left, ctx.window_right, ctx.softcap, sinks = _options_of(inputs, 6)
         ctx.has_sinks = sinks is not None
+        ctx.sinks_grad = sinks is not None and sinks.requires_grad
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
 
@@ -247,7 +267,7 @@ if _C is not None:
             grad_out, q, k, v, out, lse, grad_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
             ctx.window_left, ctx.window_right, ctx.softcap, sinks,
         )
-        return dq, dk, dv, None, None, None, None, None, None, dsinks if ctx.has_sinks else None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks if ctx.sinks_grad else None
 
     torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
@@ -272,10 +292,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             With seqlen_q > seqlen_k the first rows see no key: their output is 0 and
             their lse -inf.
         softmax_scale: defaults to 1/sqrt(headdim); must be positive.
-        window_size: (left, right), sliding-window (local) attention as in
-            FlashAttention: query row i sees key j iff
-            ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``;
-            -1 leaves a side unbounded; with ``causal`` the right side is 0. For
+        window_size: (left, right) ints >= -1, sliding-window (local) attention as in
+            FlashAttention, bottom-right aligned like ``causal``: query row i sees key j
+            iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``;
+            -1 leaves a side unbounded, (-1, -1) is no window, and ``causal`` sets the
+            right side to 0 (so ``causal=True, window_size=(w, -1)`` is a causal sliding
+            window: each row sees itself and the w keys before it). For
             seqlen_q = seqlen_k = 5 and window_size (2, 0) (1 = visible)::
 
                 1 0 0 0 0
@@ -284,14 +306,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                 0 1 1 1 0
                 0 0 1 1 1
 
-            Key tiles outside every row's window are skipped, so the cost follows the
-            window.
-        softcap: if > 0, the scores become ``softcap * tanh(softmax_scale * q.k / softcap)``
-            before the softmax (Gemma 2); the lse is taken over those.
-        sinks: None or a tensor of shape (nheads,) (float32 is used): one logit per query
-            head that joins every row's softmax denominator with no value (gpt-oss's
-            attention sinks). The lse includes it (a row that sees no key then has lse =
-            sink and output 0), and gradients flow to it.
+            A side reaching past the sequence (left >= seqlen_k - 1, right >=
+            seqlen_q - 1) is unbounded, as in FlashAttention-3. Key tiles outside every
+            row's window are skipped, so the cost follows the window. Rows whose window
+            holds no key give output 0 and lse -inf.
+        softcap: a float >= 0; if > 0, the scores become
+            ``softcap * tanh(softmax_scale * q.k / softcap)`` before the softmax (Gemma 2);
+            the lse is taken over those. 0 (the default) is off.
+        sinks: None or a floating tensor of shape (nheads,) on q's device (used as
+            float32): one logit per query head, in natural-log units, that joins every
+            row's softmax denominator with no value (gpt-oss's attention sinks):
+            ``out_i = sum_j exp(z_ij) v_j / (exp(sink) + sum_j exp(z_ij))``. The lse
+            includes it (a row that sees no key then has lse = sink and output 0), and
+            gradients flow to it.
         return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q), natural log.
             Gradients flow through it too.
         deterministic: make the backward pass bitwise reproducible (dq's partial sums
@@ -302,15 +329,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         out shaped like q (contiguous), or (out, lse) when return_lse.
 
     head dims 64, 96, 128, 192, 256 are supported (see ``build_info()`` for what this
-    build holds). Inputs whose layout TMA cannot read (last dim not contiguous, strides
-    not multiples of 16 bytes) are copied to contiguous tensors first.
+    build holds). A window (other than causal's), softcap or sinks run the "local"
+    kernels, bf16 and fp16, forward and backward. Inputs whose layout TMA cannot read
+    (last dim not contiguous, strides not multiples of 16 bytes) are copied to
+    contiguous tensors first.
     """
-    _check_inputs(q, k, v, causal, softmax_scale)
-    left, right, softcap = _check_options("flash3.attention", q, window_size, softcap, sinks)
-    if sinks is not None and sinks.device != q.device:
-        _fail(TypeError, "sinks.device", sinks.device, f"the device of q ({q.device})")
-    if not isinstance(deterministic, bool):
-        _fail(TypeError, "deterministic", type(deterministic).__name__, "bool")
+    left, right, softcap = _check_inputs(q, k, v, causal, softmax_scale, deterministic, window_size, softcap, sinks)
     mask = _mask_kind(causal, (left, right), softcap, sinks, q.shape[1], k.shape[1])
     _check_built("fwd", q, causal, mask)
     grads = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or

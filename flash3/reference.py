@@ -13,11 +13,21 @@ Conventions (shared with the kernels):
 * Causal masking is bottom-right aligned (FlashAttention-2/3 convention):
   query row ``i`` sees key ``j`` iff ``j <= i + sk - sq``. See
   :func:`causal_mask` for drawn examples.
-* A row that sees no key (causal with ``sq > sk``, or ``sk == 0``) has
-  output 0 and log-sum-exp ``-inf``; no NaN is produced.
+* Sliding windows (``window_size=(left, right)``, -1 unbounded) are bottom-right
+  aligned too: row ``i`` sees key ``j`` iff
+  ``i + sk - sq - left <= j <= i + sk - sq + right``; causal sets ``right`` to 0
+  (see :func:`window_mask`).
+* ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``
+  before the mask and the softmax.
+* ``sinks`` (one logit per query head) join every row's softmax denominator
+  without a value.
+* A row that sees no key (causal with ``sq > sk``, a window past the keys, or
+  ``sk == 0``) has output 0 and log-sum-exp ``-inf`` (the sink with sinks); no
+  NaN is produced.
 * ``lse`` is float32 of shape ``(b, h, sq)`` and equals the logsumexp over
-  visible keys of ``softmax_scale * q . k``. The backward pass needs it to
-  recompute the softmax probabilities without storing them.
+  visible keys (and the sink) of the (capped) ``softmax_scale * q . k``. The
+  backward pass needs it to recompute the softmax probabilities without storing
+  them.
 
 Two references are provided:
 
@@ -79,7 +89,7 @@ def window_mask(sq, sk, window_size=(-1, -1), causal=False, device=None):
     ``causal`` sets ``right`` to 0. ``window_size=(-1, -1)`` is no mask, ``(-1, 0)`` is
     :func:`causal_mask`.
 
-    sq=sk=5, window_size=(1, 1)::
+    sq=5, sk=5, window_size=(1, 1)::
 
               k0 k1 k2 k3 k4
         q0  [  x  x  .  .  . ]
@@ -87,6 +97,14 @@ def window_mask(sq, sk, window_size=(-1, -1), causal=False, device=None):
         q2  [  .  x  x  x  . ]
         q3  [  .  .  x  x  x ]
         q4  [  .  .  .  x  x ]
+
+    sq=3, sk=6, window_size=(1, 0) (bottom-right aligned: the last query sits
+    on the last key; each row sees its own position and the key before it)::
+
+              k0 k1 k2 k3 k4 k5
+        q0  [  .  .  x  x  .  . ]
+        q1  [  .  .  .  x  x  . ]
+        q2  [  .  .  .  .  x  x ]
     """
     left, right = window_size
     if causal:
@@ -138,17 +156,21 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window
             ``P V`` matmul (as FlashAttention's own test reference does);
             ``out`` is returned in the input dtype. Its error against the
             float64 truth is the yardstick for kernel tolerances.
-        window_size: ``(left, right)`` sliding window (:func:`window_mask`).
+        window_size: ``(left, right)`` sliding window, bottom-right aligned, -1 for an
+            unbounded side (:func:`window_mask`); ``(-1, -1)`` is no window.
         softcap: if > 0, the scaled scores become ``softcap * tanh(scores / softcap)``
-            before the mask and the softmax.
-        sinks: ``None`` or ``(h,)``: one logit per head that joins each row's softmax
-            denominator with no value; ``lse`` includes it.
+            before the mask and the softmax; ``lse`` is taken over the capped scores.
+        sinks: ``None`` or ``(h,)``: one logit per head (natural-log units) that joins
+            each row's softmax denominator with no value:
+            ``out_i = sum_j exp(z_ij) v_j / (exp(sink) + sum_j exp(z_ij))`` and
+            ``lse_i = log(exp(sink) + sum_j exp(z_ij))``. Gradients flow to it.
 
     Returns:
         ``(out, lse)``: ``out`` is ``(b, sq, h, d)`` (float64 if ``upcast``,
         else ``q.dtype``); ``lse`` is float32 ``(b, h, sq)``, the logsumexp
-        of the scaled scores over visible keys (``-inf`` for rows that see no
-        key, whose ``out`` is 0).
+        of the scaled (and capped) scores over visible keys and the sink
+        (``-inf`` for rows that see no key and have no sink, whose ``out`` is 0;
+        with a sink such a row has ``out`` 0 and ``lse`` the sink).
     """
     nheads, headdim = q.shape[2], q.shape[3]
     scale = _resolve_scale(softmax_scale, headdim)
@@ -161,27 +183,21 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
 
-    windowed = tuple(window_size) != (-1, -1)
+    if causal or tuple(window_size) != (-1, -1):
+        visible = window_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         # The sink is one more column with no value: softmax over [scores, sink].
-        visible = window_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-        full = torch.cat([scores, sink_col], dim=-1)
-        lse = torch.logsumexp(full, dim=-1)
-        probs = torch.softmax(full, dim=-1)[..., :-1]
-    elif causal or windowed:
-        visible = window_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        # A row with every score at -inf attends to nothing: its probabilities (and
-        # output) are 0. Filling before the softmax, rather than cleaning its 0/0 NaNs
-        # after, keeps the row's gradients 0 instead of NaN.
-        empty_rows = ~visible.any(dim=-1, keepdim=True)  # (sq, 1)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1).masked_fill(empty_rows, 0.0)
-    else:
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.softmax(scores, dim=-1)
+        sink_col = sinks.to(device=scores.device, dtype=scores.dtype).view(1, -1, 1, 1)
+        scores = torch.cat([scores, sink_col.expand(scores.shape[0], -1, scores.shape[2], 1)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row with every score at -inf attends to nothing: its probabilities (and output)
+    # are 0. Filling before the softmax, rather than cleaning its 0/0 NaNs after, keeps
+    # the row's gradients 0 instead of NaN.
+    empty_rows = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1).masked_fill(empty_rows, 0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse.float()
 

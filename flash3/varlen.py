@@ -41,11 +41,14 @@ def _check_max_seqlen(name, value):
 
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-                  softmax_scale, deterministic):
+                  softmax_scale, deterministic, window_size=(-1, -1), softcap=0.0, sinks=None):
+    """Every argument of attention_varlen but the length tensors' values; returns the
+    options as the op takes them: (window_left, window_right, softcap)."""
     _check_tensors(_NAME, q, k, v)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_flags(_NAME, causal, softmax_scale, deterministic)
+    options = _check_options(_NAME, q, window_size, softcap, sinks)
     # The length tensors' types and shapes before any device: every argument error is
     # reported the same way on a machine without a GPU.
     _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None)
@@ -58,7 +61,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if t is not None:
             _check_index_tensor(name, t, batch)
             index_tensors.append((name, t))
-    _check_devices(_NAME, q, [("k", k), ("v", v), *index_tensors])
+    sink_tensor = [("sinks", sinks)] if sinks is not None else []
+    _check_devices(_NAME, q, [("k", k), ("v", v), *index_tensors, *sink_tensor])
+    return options
 
 
 def validate_seqlens(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -124,6 +129,7 @@ if _C is not None:
         ctx.softmax_scale, ctx.causal = softmax_scale, causal
         ctx.has_seqused = (seqused_q is not None, seqused_k is not None)
         ctx.has_sinks = sinks is not None
+        ctx.sinks_grad = sinks is not None and sinks.requires_grad
         out, lse = output
         saved = [q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]
         saved += [t for t in (seqused_q, seqused_k, sinks) if t is not None]
@@ -141,7 +147,7 @@ if _C is not None:
             ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic,
             ctx.window_left, ctx.window_right, ctx.softcap, sinks,
         )
-        return (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.has_sinks else None,)
+        return (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.sinks_grad else None,)
 
     torch.library.register_autograd("flash3::fwd_varlen", _backward, setup_context=_setup_context)
 
@@ -184,11 +190,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Rows of a slot past ``seqused`` and rows past the tensors' valid sequences are read
     by the kernels (multiplied by zero weights), so they must hold finite values.
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-                  softmax_scale, deterministic)
-    left, right, softcap = _check_options(_NAME, q, window_size, softcap, sinks)
-    if sinks is not None and sinks.device != q.device:
-        _fail(TypeError, "sinks.device", sinks.device, f"the device of q ({q.device})")
+    left, right, softcap = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                         seqused_k, causal, softmax_scale, deterministic, window_size, softcap, sinks)
     mask = _mask_kind(causal, (left, right), softcap, sinks, max_seqlen_q, max_seqlen_k)
     _check_built("fwd", q, causal, mask, _NAME)
     if torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or

@@ -8,13 +8,12 @@ MUFU.TANH, as FlashAttention-3, is good to about 2^-11 relative, so under softca
 floor is that times the softcap). The sinks' gradient is float32 and checked against
 float64 with a relative bound. Fresh random inputs; gradients poisoned before the run.
 """
-import math
 
 import pytest
 import torch
 
 import flash3
-from flash3.reference import attention_ref, window_mask
+from flash3.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -226,3 +225,41 @@ def test_opcheck_options():
     torch.library.opcheck(torch.ops.flash3.bwd.default,
                           (torch.randn_like(out), q, k, v, out, lse, None, 0.125, True, False, 31, 0, 15.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_equivalent_windows_run_the_same_mask():
+    """(-1, 0) is causal; causal with (w, -1), (w, w) and (w, 0) and (w, 0) without causal
+    are one window; a window covering every key is none: the same bits."""
+    _skip_unless_built(torch.bfloat16, 128)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    assert torch.equal(flash3.attention(q, k, v, window_size=(-1, 0)), flash3.attention(q, k, v, causal=True))
+    assert torch.equal(flash3.attention(q, k, v, window_size=(332, 332)), flash3.attention(q, k, v))
+    windows = [flash3.attention(q, k, v, causal=True, window_size=(50, right)) for right in (-1, 50, 0, 1000)]
+    windows.append(flash3.attention(q, k, v, window_size=(50, 0)))
+    for out in windows[1:]:
+        assert torch.equal(out, windows[0])
+
+
+def test_sinks_device_dtype_and_gradient():
+    _skip_unless_built(torch.bfloat16, 64)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = (torch.randn(1, 200, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for _ in range(3))
+    with pytest.raises(TypeError, match=r"flash3\.attention: sinks\.device is cpu; supported: the device of q"):
+        flash3.attention(q, k, v, sinks=torch.zeros(4))
+    sinks32 = torch.randn(4, device="cuda", generator=g)
+    # a sink that does not require grad: q, k, v still get theirs, the sink none
+    s = sinks32.clone()
+    flash3.attention(q, k, v, causal=True, sinks=s).sum().backward()
+    assert s.grad is None and q.grad is not None
+    # bf16 sinks: cast to float32 for the kernel, the gradient back in bf16
+    s16 = sinks32.bfloat16().requires_grad_()
+    s32 = s16.detach().float().requires_grad_()
+    out16 = flash3.attention(q, k, v, causal=True, sinks=s16)
+    out32 = flash3.attention(q, k, v, causal=True, sinks=s32)
+    assert torch.equal(out16, out32)
+    dout = torch.randn_like(out16)
+    (g16,) = torch.autograd.grad((out16 * dout).sum(), s16)
+    (g32,) = torch.autograd.grad((out32 * dout).sum(), s32)
+    assert g16.dtype == torch.bfloat16 and torch.equal(g16, g32.bfloat16())

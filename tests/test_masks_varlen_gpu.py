@@ -38,8 +38,10 @@ def _cu(lengths):
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("d", HDIMS)
-def test_varlen_options(seed, d, opts):
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_options(seed, dtype, d, opts):
+    if dtype == torch.float16 and d not in (64, 128):
+        pytest.skip("fp16: head dims 64 and 128 (the kernels are bf16's templates)")
     _skip_unless_built(dtype, d)
     lens_q = [0, 5, 300, 1, 129, 777, 64]
     lens_k = [3, 0, 350, 1, 129, 700, 200]
@@ -107,3 +109,39 @@ def test_varlen_options(seed, d, opts):
     assert torch.all(q.grad[~written] == 0)
     if poisoned:
         assert torch.isnan(out[~written]).all(), "rows outside the sequences were written"
+
+
+def test_varlen_options_compile_fullgraph_and_opcheck():
+    d, dtype = 128, torch.bfloat16
+    _skip_unless_built(dtype, d)
+    lens = [5, 300, 77]
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q = torch.randn(sum(lens), 4, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(sum(lens), 2, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(sum(lens), 2, d, device="cuda", dtype=dtype, generator=g)
+    sinks = torch.randn(4, device="cuda", generator=g)
+    cu = _cu(lens)
+
+    def f(q, k, v, sinks):
+        return flash3.attention_varlen(q, k, v, cu, cu, 300, 300, causal=True, window_size=(40, 0), softcap=12.0,
+                                       sinks=sinks)
+
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, sinks), f(q, k, v, sinks))
+    args = (q, k, v, cu, cu, None, None, 300, 300, d ** -0.5, True, False, 40, 0, 12.0, sinks)
+    torch.library.opcheck(torch.ops.flash3.fwd_varlen.default, args, test_utils=("test_schema", "test_faketensor"))
+    out, lse = torch.ops.flash3.fwd_varlen(*args)
+    torch.library.opcheck(torch.ops.flash3.bwd_varlen.default,
+                          (torch.randn_like(out), q, k, v, out, lse, None, cu, cu, None, None, 300, 300, d ** -0.5,
+                           True, False, 40, 0, 12.0, sinks), test_utils=("test_schema", "test_faketensor"))
+    qg, kg, vg, sg = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    compiled(qg, kg, vg, sg).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg, sg))
+
+
+def test_varlen_sinks_device_error():
+    _skip_unless_built(torch.bfloat16, 64)
+    q = torch.randn(10, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = _cu([4, 6])
+    with pytest.raises(TypeError, match=r"flash3\.attention_varlen: sinks\.device is cpu; supported: the device"):
+        flash3.attention_varlen(q, q, q, cu, cu, 6, 6, sinks=torch.zeros(4))

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from flash3.reference import attention_blockwise, attention_ref, causal_mask
+from flash3.reference import attention_blockwise, attention_ref, causal_mask, window_mask
 
 
 @pytest.fixture
@@ -205,3 +205,202 @@ def test_blockwise_low_precision_inputs_return_input_dtype(gen, dtype):
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), out_truth, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, lse_truth, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Sliding windows, softcap and attention sinks
+# ----------------------------------------------------------------------------------------
+
+WINDOWS = [(-1, -1), (-1, 0), (0, 0), (1, 0), (17, 3), (-1, 5), (64, -1), (3, 3), (0, -1), (500, 500)]
+WINDOW_SHAPES = [(1, 1), (7, 7), (37, 53), (53, 37), (1, 40), (40, 1), (5, 0)]
+
+
+def brute_force_window(sq, sk, window_size, causal):
+    """The window by the definition, element by element."""
+    left, right = window_size
+    if causal:
+        right = 0
+    mask = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sk):
+            diag = i + sk - sq
+            mask[i, j] = (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+    return mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window_size", WINDOWS)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", WINDOW_SHAPES)
+def test_window_mask_matches_definition(seqlen_q, seqlen_k, window_size, causal):
+    mask = window_mask(seqlen_q, seqlen_k, window_size, causal)
+    assert mask.dtype == torch.bool and mask.shape == (seqlen_q, seqlen_k)
+    assert torch.equal(mask, brute_force_window(seqlen_q, seqlen_k, window_size, causal))
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", WINDOW_SHAPES)
+def test_window_mask_special_windows(seqlen_q, seqlen_k):
+    everything = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    causal = causal_mask(seqlen_q, seqlen_k)
+    assert torch.equal(window_mask(seqlen_q, seqlen_k), everything)
+    assert torch.equal(window_mask(seqlen_q, seqlen_k, (-1, -1), causal=True), causal)
+    assert torch.equal(window_mask(seqlen_q, seqlen_k, (-1, 0)), causal)
+    # causal sets the right side to 0, whatever it was
+    for right in (-1, 0, 3, 1000):
+        assert torch.equal(window_mask(seqlen_q, seqlen_k, (2, right), causal=True),
+                           window_mask(seqlen_q, seqlen_k, (2, 0)))
+    # sides reaching past the sequences (FlashAttention-3's normalisation) mask nothing
+    far = (max(seqlen_k - 1, 0), max(seqlen_q - 1, 0))
+    assert torch.equal(window_mask(seqlen_q, seqlen_k, far), everything)
+
+
+def test_window_mask_docstring_drawings():
+    examples = parse_drawn_masks(window_mask.__doc__)
+    headers = re.findall(r"sq=\d+, sk=\d+, window_size=\((-?\d+), (-?\d+)\)", window_mask.__doc__)
+    windows = [tuple(map(int, w)) for w in headers]
+    assert [(sq, sk) for sq, sk, _ in examples] == [(5, 5), (3, 6)] and windows == [(1, 1), (1, 0)]
+    for (sq, sk, drawn), window in zip(examples, windows):
+        assert torch.equal(window_mask(sq, sk, window), drawn)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(37, 53), (53, 37), (64, 64)])
+@pytest.mark.parametrize("window_size", [(-1, -1), (-1, 0), (5, 2), (0, 0), (-1, 3), (9, -1)])
+def test_window_equals_masked_scores(gen, seqlen_q, seqlen_k, window_size):
+    """The windowed reference is the softmax of the scores with the window's keys only."""
+    q, k, v = make_qkv(gen, 2, seqlen_q, seqlen_k, 4, 2, 64)
+    out, lse = attention_ref(q, k, v, window_size=window_size)
+    scores = masked_scaled_scores(q, k, False, 1 / 8)
+    visible = brute_force_window(seqlen_q, seqlen_k, window_size, False)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    empty = ~visible.any(dim=-1)
+    expected_lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    expected = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse.float(), rtol=1e-6, atol=1e-6)
+    assert (out[:, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(37, 53), (53, 37)])
+def test_window_minus_one_is_no_mask_and_minus_one_zero_is_causal(gen, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(gen, 1, seqlen_q, seqlen_k, 4, 1, 64)
+    for a, b in (
+        (attention_ref(q, k, v, window_size=(-1, -1)), attention_ref(q, k, v)),
+        (attention_ref(q, k, v, window_size=(-1, 0)), attention_ref(q, k, v, causal=True)),
+        (attention_ref(q, k, v, window_size=(seqlen_k - 1, seqlen_q - 1)), attention_ref(q, k, v)),
+        (attention_ref(q, k, v, causal=True, window_size=(7, 7)), attention_ref(q, k, v, window_size=(7, 0))),
+    ):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+
+
+def test_window_rows_without_keys(gen):
+    """seqlen_q > seqlen_k with the right side 0: the first seqlen_q - seqlen_k rows see no
+    key (output 0, lse -inf); a window right of every key (left 0, right 0, seqlen_k <
+    seqlen_q) too. No NaN, in values or gradients."""
+    q, k, v = make_qkv(gen, 1, 20, 6, 2, 1, 64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for upcast in (True, False):
+        out, lse = attention_ref(q, k, v, window_size=(2, 0), upcast=upcast)
+        assert (out[:, :14] == 0).all() and (lse[:, :, :14] == float("-inf")).all()
+        assert lse[:, :, 14:].isfinite().all()
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert (grads[0][:, :14] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_caps_the_scores(gen, causal):
+    q, k, v = make_qkv(gen, 2, 29, 41, 4, 2, 64)
+    q = q * 3  # scores of several units, so that the cap matters
+    softcap = 2.5
+    out, lse = attention_ref(q, k, v, causal=causal, softcap=softcap)
+    scores = masked_scaled_scores(q, k, False, 1 / 8)
+    scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(29, 41), float("-inf"))
+    expected = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1).float(), rtol=1e-6, atol=1e-6)
+    assert (lse.double() <= softcap + math.log(41) + 1e-6).all()
+    assert not torch.allclose(out, attention_ref(q, k, v, causal=causal)[0], rtol=1e-3, atol=1e-3)
+
+
+def test_softcap_large_is_no_softcap(gen):
+    q, k, v = make_qkv(gen, 1, 33, 47, 2, 1, 64)
+    out, lse = attention_ref(q, k, v, causal=True, softcap=1e6)
+    out0, lse0 = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, out0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-6)
+    out_zero, _ = attention_ref(q, k, v, causal=True, softcap=0.0)
+    torch.testing.assert_close(out_zero, out0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window_size", [(-1, -1), (4, 1)])
+def test_sinks_join_the_denominator(gen, window_size):
+    """out = sum_j exp(z_j) v_j / (exp(sink) + sum_j exp(z_j)), lse = log(exp(sink) +
+    sum_j exp(z_j)), written out from the scores."""
+    q, k, v = make_qkv(gen, 2, 23, 31, 4, 2, 64)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) * 2
+    out, lse = attention_ref(q, k, v, window_size=window_size, sinks=sinks)
+    scores = masked_scaled_scores(q, k, False, 1 / 8)
+    scores = scores.masked_fill(~brute_force_window(23, 31, window_size, False), float("-inf"))
+    weights = torch.exp(scores)  # the scores are a few units: no overflow
+    denominator = torch.exp(sinks).view(1, 4, 1) + weights.sum(dim=-1)
+    expected = torch.einsum("bhqk,bkhd->bqhd", weights / denominator.unsqueeze(-1), v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.log(denominator).float(), rtol=1e-6, atol=1e-6)
+    out0, _ = attention_ref(q, k, v, window_size=window_size)
+    assert not torch.allclose(out, out0, rtol=1e-3, atol=1e-3)
+
+
+def test_sink_minus_inf_is_no_sink(gen):
+    q, k, v = make_qkv(gen, 1, 19, 13, 4, 2, 64)
+    sinks = torch.full((4,), float("-inf"), dtype=torch.float64)
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (3, 0))):
+        out, lse = attention_ref(q, k, v, causal=causal, window_size=window, sinks=sinks)
+        out0, lse0 = attention_ref(q, k, v, causal=causal, window_size=window)
+        # rows 0..5 see no key when causal: no NaN there either
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out, out0, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, lse0, rtol=0, atol=0)
+
+
+def test_sinks_rows_without_keys_have_lse_sink(gen):
+    q, k, v = make_qkv(gen, 1, 9, 4, 3, 3, 64)
+    sinks = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, causal=True, sinks=sinks)
+    assert (out[:, :5] == 0).all()
+    torch.testing.assert_close(lse[0, :, :5], sinks.float().view(3, 1).expand(3, 5))
+    out, lse = attention_ref(q, k[:, :0], v[:, :0], sinks=sinks)  # no key at all
+    assert (out == 0).all()
+    torch.testing.assert_close(lse[0], sinks.float().view(3, 1).expand(3, 9))
+
+
+@pytest.mark.parametrize("causal, window_size, softcap", [(False, (-1, -1), 0.0), (True, (5, 0), 0.0),
+                                                          (False, (7, 2), 3.0), (True, (-1, -1), 4.0)])
+def test_sink_gradient_closed_form(gen, causal, window_size, softcap):
+    """d sink_h = -sum over (batch, rows) of exp(sink_h - lse_i) * (rowsum(dout_i * out_i) - dlse_i)."""
+    q, k, v = make_qkv(gen, 2, 21, 17, 4, 2, 64)
+    sinks = (torch.randn(4, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    out, lse = attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    (dsinks,) = torch.autograd.grad((out * dout).sum() + (lse.double() * dlse).sum(), sinks)
+    lse64 = lse.double().detach()
+    rowsum = (dout * out.detach()).sum(dim=-1).transpose(1, 2)  # (b, h, sq)
+    share = torch.exp(sinks.detach().view(1, 4, 1) - lse64)
+    expected = -(share * (rowsum - dlse)).sum(dim=(0, 2))
+    torch.testing.assert_close(dsinks, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_options_in_same_precision_reference(gen):
+    """upcast=False keeps the input dtype with windows, softcap and sinks, and stays close
+    to the float64 truth."""
+    q, k, v = make_qkv(gen, 1, 65, 129, 4, 2, 64)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    opts = dict(causal=True, window_size=(20, 0), softcap=5.0)
+    out_truth, lse_truth = attention_ref(q, k, v, sinks=sinks, **opts)
+    out, lse = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks=sinks.float(), upcast=False, **opts)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), out_truth, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(lse, lse_truth, rtol=3e-2, atol=3e-2)

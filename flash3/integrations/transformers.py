@@ -50,9 +50,10 @@ aligned, so decoding with a KV cache needs no offset):
 
 Sliding windows (``sliding_window``: a query sees itself and the ``sliding_window - 1``
 keys before it, passed on as ``window_size=(sliding_window - 1, sliding_window - 1)`` with
-causal masking, as transformers' own FlashAttention path does; nothing when the window
-covers every key), ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss) run
-flash3's local-mask kernels, on every path below.
+causal masking, i.e. the window ``(sliding_window - 1, 0)``, as transformers' own
+FlashAttention path does; nothing when the window covers every key), ``softcap`` (Gemma 2)
+and attention sinks (``s_aux``, gpt-oss: one logit per query head) run flash3's local-mask
+kernels, on every path above (dense, padded, packed; bf16 and fp16, forward and backward).
 
 Not supported yet (``NotImplementedError``): dropout > 0, 4-D (custom) attention masks,
 a V head dim different from Q/K's. Mask patterns that
@@ -244,8 +245,14 @@ def attention_forward(
         deterministic = (os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
                          or torch.are_deterministic_algorithms_enabled())
     common = dict(softmax_scale=scaling, causal=causal, deterministic=bool(deterministic))
-    # A window at least as long as the keys masks nothing (transformers' FlashAttention
-    # path passes no window then either); otherwise (w - 1, w - 1) as that path does.
+    # transformers' sliding_window w: a query sees itself and the w - 1 keys before it
+    # (masking_utils: kv_idx > q_idx - w). Its FlashAttention path
+    # (modeling_flash_attention_utils.py, _process_flash_attention_kwargs) passes
+    #     if ... sliding_window is not None and key_length > sliding_window:
+    #         flash_kwargs["window_size"] = (sliding_window - 1, sliding_window - 1)
+    # with causal, which FlashAttention turns into (w - 1, 0); the same here. A window at
+    # least as long as the keys masks nothing and is not passed (as there); a module that
+    # is not causal gets the symmetric window, as there.
     if sliding_window is not None and key.shape[2] > sliding_window:
         common["window_size"] = (sliding_window - 1, sliding_window - 1)
     if softcap is not None and softcap != 0:
