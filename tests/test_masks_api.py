@@ -14,14 +14,7 @@ import flash3
 from flash3 import flash_attn_interface as fai
 from flash3 import interface
 from flash3.reference import causal_mask, window_mask
-
-
-def _qkv(b=2, sq=17, sk=33, h=4, hk=2, d=64, dtype=torch.bfloat16, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(device=device, dtype=dtype)
-    k = torch.randn(b, sk, hk, d, generator=g).to(device=device, dtype=dtype)
-    v = torch.randn(b, sk, hk, d, generator=g).to(device=device, dtype=dtype)
-    return q, k, v
+from test_api import _qkv
 
 
 def _packed(h=4, hk=2, d=64):

@@ -8,6 +8,7 @@ import torch
 
 import flash3
 from flash3.reference import attention_ref
+from test_varlen_gpu import _cu
 
 pytestmark = pytest.mark.gpu
 
@@ -29,11 +30,6 @@ def _skip_unless_built(dtype, d):
             pytest.skip(f"{kind} {dtype} hdim{d} local mask not in this build")
 
 
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device="cuda")
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
