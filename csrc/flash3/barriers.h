@@ -39,6 +39,9 @@ enum class NamedBarrier : int {
   // done, so O may be staged over the tile's last K and V stages. Forward kernels use
   // none of the backward's ids.
   OStaging = PFull,
+  // Forward, packed batches with seqused_k: every consumer thread has zeroed its share of
+  // the V rows past a sequence's length (mainloop_fwd.h zero_v_tail).
+  VTailZeroed = dSFull,
 };
 static_assert(static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + 8 <= 16,
               "named barrier ids run past the 16 the hardware has");

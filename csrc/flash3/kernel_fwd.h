@@ -31,7 +31,7 @@ struct FlashFwdKernel {
   using Traits = Traits_;
   using Mask = Mask_;
   static constexpr bool kVarlen = kVarlen_;
-  using Mainloop = MainloopFwd<Traits, Mask>;
+  using Mainloop = MainloopFwd<Traits, Mask, kVarlen>;
   using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits, kVarlen>, EpilogueFwd<Traits>>;
   using Element = typename Traits::Element;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;

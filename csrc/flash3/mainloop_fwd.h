@@ -20,7 +20,8 @@ namespace flash3 {
 
 using namespace cute;
 
-template <class Traits, class Mask>
+// kVarlen: packed batches (seqlen.h), whose key slots past seqused_k may hold anything.
+template <class Traits, class Mask, bool kVarlen = false>
 struct MainloopFwd {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -195,6 +196,22 @@ struct MainloopFwd {
     }
   };
 
+  // Packed batches with seqused_k (a KV cache): the key slots past a sequence's length
+  // may hold anything, NaN included. Their scores are masked to -inf, but a zero weight
+  // times a NaN of V is still NaN, so the rows of the partial last key tile's V stage past
+  // the length are zeroed before the first O += P V reads them. Every consumer thread
+  // zeroes a share, makes its stores visible to the tensor cores' (async) proxy and meets
+  // the others at a named barrier, before its turn (no turn is held while waiting).
+  CUTLASS_DEVICE static void zero_v_tail(SharedStorage& storage, int stage, int first_row, int thread_idx) {
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    int const elements = (kBlockN - first_row) * kHeadDim;
+    for (int i = thread_idx; i < elements; i += kConsumerThreads) {
+      sV(first_row + i / kHeadDim, i % kHeadDim, stage) = Element(0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(kConsumerThreads, NamedBarrier::VTailZeroed);
+  }
+
   // Consumers: returns the output accumulator of this thread (normalised) and the
   // logsumexp of its rows. Iteration j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j)
   // together, then runs the softmax of S(j+1) while O's GEMM is still in flight
@@ -287,6 +304,13 @@ struct MainloopFwd {
     Tensor tOrP = make_tensor(rP.data(), accumulator_as_operand_a(rP.layout()));
     convert_into(tSrS, rP);
     clear(tOrO);
+    if constexpr (kVarlen) {
+      // Here rather than in the loop, where it would hold registers (hdim 256 spilled).
+      if (params.seqs.seqused_k != nullptr && seq.seqlen_k < n_end * kBlockN) {
+        pipeline_v.consumer_wait(read_v);  // the first V stage, waited on again below
+        zero_v_tail(storage, read_v.index(), seq.seqlen_k - (n_end - 1) * kBlockN, thread_idx);
+      }
+    }
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= n_begin; --n_block) {
