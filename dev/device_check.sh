@@ -7,11 +7,11 @@
 #   cutlass-include.tar.xz   the CUTLASS/CuTe headers (include/), as the nvidia-cutlass wheel has them
 #   fa3-features-*.tar.xz    FlashAttention-3 built with varlen (../shared/anchors/fa3/)
 #   base-src.tar.xz          optional: `git archive <base> csrc setup.py flash3`, built for the A/B
-# Usage: dev/device_check.sh [steps...]   steps: base build tests sass ab varlen masks (default: all)
+# Usage: dev/device_check.sh [steps...]   steps: base build tests sass ab varlen masks kvcache (default: all)
 set -uo pipefail
 OUT="${OUT:-/tmp/flash3-out}"
 mkdir -p "$OUT"
-steps="${*:-base build tests sass ab varlen masks}"
+steps="${*:-base build tests sass ab varlen masks kvcache}"
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 CUTLASS_DIR=/tmp/cutlass
 mkdir -p /tmp/cutlass /tmp/fa3; [ -d /tmp/cutlass/include ] || tar xJf .anchors/cutlass-include.tar.xz -C /tmp/cutlass
@@ -59,4 +59,7 @@ if has masks; then
 fi
 if has varlen; then
   python3 benchmarks/bench_varlen.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench-varlen.log" | grep -v "^  " | tail -70
+fi
+if has kvcache; then
+  python3 benchmarks/bench_kvcache.py --out-dir "$OUT" ${KVCACHE_ARGS:-} 2>&1 | tee "$OUT/bench-kvcache.log" | grep -v "^  " | tail -70
 fi

@@ -4,6 +4,8 @@
     out = flash3.attention(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
     out = flash3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
                                                    # packed: (total_tokens, nheads, headdim)
+    out = flash3.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens)
+                                                   # decoding: append to a (paged) KV cache, attend
 
 ``flash3.fp8`` is the FP8 (e4m3) path: ``flash3.fp8.attention(q, k, v, causal=True)`` on bf16
 tensors (fused quantiser with block scales and incoherent processing, then the FP8 kernel).
@@ -28,6 +30,7 @@ from .interface import (
     build_info,
     is_supported,
 )
+from .kvcache import attention_with_kvcache
 from .varlen import attention_varlen
 
 
@@ -44,6 +47,7 @@ def __getattr__(name):
 __all__ = [
     "attention",
     "attention_varlen",
+    "attention_with_kvcache",
     "fp8",
     "flash_attn_interface",
     "build_info",

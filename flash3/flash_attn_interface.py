@@ -28,10 +28,12 @@ What flash3 runs, and what it does not run yet:
   head, FlashAttention's name for them; gradients flow to it) run flash3's local-mask
   kernels, in bf16 / fp16, dense and variable-length, forward and backward. With
   float8 inputs they raise ``NotImplementedError``.
+* :func:`flash_attn_with_kvcache` runs :func:`flash3.attention_with_kvcache`: dense and
+  paged caches, the in-place append with rotary embedding, split-KV, GQA packing.
+  :func:`get_scheduler_metadata` returns None (flash3 needs none).
 * ``qv``, ``attention_chunk`` other than 0, split-KV in the attention calls
-  (``num_splits`` > 1), a V head dim different from Q/K's, and the KV cache
-  (:func:`flash_attn_with_kvcache`, paged KV) raise ``NotImplementedError`` naming the
-  argument, before any other check.
+  (``num_splits`` > 1) and a V head dim different from Q/K's raise
+  ``NotImplementedError`` naming the argument, before any other check.
 * ``pack_gqa`` and ``sm_margin`` are tuning hints; flash3 accepts and ignores them
   (flash3 always reads the shared K/V head in place for GQA, and uses every SM).
 * Descales given with bf16/fp16 inputs are ignored, as FlashAttention-3 ignores them.
@@ -441,7 +443,7 @@ def flash_attn_varlen_func(
 
 
 # ----------------------------------------------------------------------------------------
-# Not implemented yet: KV cache, split-KV combine, scheduler metadata
+# KV cache, split-KV combine, scheduler metadata
 # ----------------------------------------------------------------------------------------
 
 
@@ -476,14 +478,56 @@ def flash_attn_with_kvcache(
     pack_gqa=None,
     sm_margin=0,
     return_softmax_lse=False,
+    *,
+    learnable_sink=None,
 ):
-    """FlashAttention-3's KV-cache attention (in-place cache append, rotary, paged KV):
-    not implemented in flash3 yet; ``window_size`` and ``softcap`` (and sinks) will come
-    with it, as in :func:`flash_attn_func`. For decoding with a cache held by the caller,
-    call :func:`flash_attn_func` with the cache's valid keys (causal masks and windows are
-    bottom-right aligned, so a query row sees the whole cache, or its window of it, and
-    the keys up to its own position)."""
-    raise NotImplementedError("flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet")
+    """FlashAttention-3's ``flash_attn_with_kvcache`` on :func:`flash3.attention_with_kvcache`.
+
+    Dense or paged caches (``page_table``, any page size), the in-place append of ``k``,
+    ``v`` at ``cache_seqlens`` with the optional rotary embedding (``rotary_interleaved``
+    defaults to True, as in FlashAttention), causal masks and windows bottom-right aligned,
+    ``softcap``, ``learnable_sink`` (keyword-only), packed queries (``cu_seqlens_q``,
+    ``max_seqlen_q``; no new tokens with them), ``num_splits`` (0: chosen from the shapes),
+    bf16 / fp16, head dims 64, 96, 128, 192, 256.
+
+    ``qv``, ``cache_batch_idx``, ``cache_leftpad``, ``cu_seqlens_k_new``,
+    ``rotary_seqlens``, ``attention_chunk`` other than 0 and float8 caches raise
+    ``NotImplementedError`` naming the argument. ``scheduler_metadata`` (from
+    :func:`get_scheduler_metadata`), ``pack_gqa`` and ``sm_margin`` are accepted and
+    ignored; descales with bf16/fp16 tensors are ignored, as FlashAttention-3 ignores them.
+
+    Returns out like q, or (out, softmax_lse) with softmax_lse float32 (batch, nheads,
+    seqlen_q) ((nheads, total_q) with cu_seqlens_q).
+    """
+    fname = "flash_attn_with_kvcache"
+    _check_common(fname, qv=qv, softcap=softcap, attention_chunk=attention_chunk)
+    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("cu_seqlens_k_new", cu_seqlens_k_new), ("rotary_seqlens", rotary_seqlens)):
+        if value is not None:
+            _not_implemented(fname, name, value, {"cache_batch_idx": "indexing the cache's batch",
+                                                  "cache_leftpad": "left-padded caches",
+                                                  "cu_seqlens_k_new": "packed new tokens",
+                                                  "rotary_seqlens": "rotary positions apart from cache_seqlens"}[name])
+    if isinstance(q, torch.Tensor) and q.dtype == _E4M3:
+        _not_implemented(fname, "q.dtype", q.dtype, "an FP8 KV cache")
+    if cache_seqlens is None:
+        raise TypeError(f"{fname}: cache_seqlens is None; supported: an int32 tensor (batch,) or an int")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"{fname}: num_splits is {num_splits!r}; supported: an int >= 0 (0: chosen from the shapes)")
+    capacity = None
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4:
+        capacity = k_cache.shape[1] * (page_table.shape[1] if isinstance(page_table, torch.Tensor) else 1)
+    seqlen_q = max_seqlen_q if cu_seqlens_q is not None else (q.shape[1] if isinstance(q, torch.Tensor) else None)
+    causal, window = _window(fname, window_size, causal, seqlen_q, capacity)
+    _check_learnable_sink(fname, learnable_sink, q)
+    from .kvcache import attention_with_kvcache
+
+    out, lse = attention_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, window_size=window, softcap=softcap or 0.0,
+        sinks=learnable_sink, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True)
+    return (out, lse) if return_softmax_lse else out
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -494,6 +538,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
 
 
 def get_scheduler_metadata(*args, **kwargs):
-    """FlashAttention-3's scheduler metadata for :func:`flash_attn_with_kvcache`: not
-    implemented in flash3 yet (there is no KV-cache function to pass it to)."""
-    raise NotImplementedError("get_scheduler_metadata: the KV cache is not implemented in flash3 yet")
+    """FlashAttention-3's scheduler metadata for :func:`flash_attn_with_kvcache`. flash3's
+    KV-cache call computes what it needs on the device within the call (no host
+    synchronisation, CUDA-graph safe), so there is no metadata: returns None, which
+    :func:`flash_attn_with_kvcache` accepts as ``scheduler_metadata``."""
+    return None

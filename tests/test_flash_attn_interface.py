@@ -99,9 +99,11 @@ def test_kvcache_signature_matches_flash_attention_3():
         "cache_batch_idx", "cache_leftpad", "page_table", "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q",
         "rotary_seqlens", "q_descale", "k_descale", "v_descale", "softmax_scale", "causal", "window_size",
         "attention_chunk", "softcap", "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa",
-        "sm_margin", "return_softmax_lse",
+        "sm_margin", "return_softmax_lse", "learnable_sink",
     ]
     assert inspect.signature(flash_attn_with_kvcache).parameters["num_splits"].default == 0
+    assert inspect.signature(flash_attn_with_kvcache).parameters["rotary_interleaved"].default is True
+    assert inspect.signature(flash_attn_with_kvcache).parameters["learnable_sink"].kind == inspect.Parameter.KEYWORD_ONLY
 
 
 def test_package_exports_the_interface():
@@ -164,12 +166,26 @@ def test_fp8_varlen_not_implemented():
         flash_attn_varlen_func(q, k, v, cu, cu, 17, 17)
 
 
-def test_kvcache_combine_scheduler_not_implemented():
+def test_kvcache_unsupported_arguments_and_scheduler_metadata():
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: the KV cache is not implemented in flash3 yet$"):
-        flash_attn_with_kvcache(q, k, v, cache_seqlens=3)
-    with pytest.raises(NotImplementedError, match="^get_scheduler_metadata: the KV cache"):
-        get_scheduler_metadata(2, 1, 128, 4, 2, 64, torch.zeros(2, dtype=torch.int32))
+    seqlens = torch.full((q.shape[0],), 3, dtype=torch.int32)
+    for name in ("cache_batch_idx", "cache_leftpad", "cu_seqlens_k_new", "rotary_seqlens"):
+        with pytest.raises(NotImplementedError, match=f"^flash_attn_with_kvcache: {name}="):
+            flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **{name: seqlens})
+    with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: qv="):
+        flash_attn_with_kvcache(q, k, v, qv=q, cache_seqlens=seqlens)
+    assert get_scheduler_metadata(2, 1, 128, 4, 2, 64, torch.zeros(2, dtype=torch.int32)) is None
+
+
+def test_kvcache_argument_errors_name_the_argument():
+    q, k, v = _qkv()  # CPU tensors: argument errors come before the device check
+    seqlens = torch.full((q.shape[0],), 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens.shape"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens[:1])
+    with pytest.raises(TypeError, match="page_table.dtype"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, page_table=torch.zeros(q.shape[0], 2))
+    with pytest.raises(TypeError, match="the device of q|CUDA"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -328,10 +328,11 @@ def test_flash_attn_interface_fp8_with_options_not_implemented(kwargs, name):
     assert not isinstance(info.value, NotImplementedError)
 
 
-def test_flash_attn_with_kvcache_still_not_implemented():
-    q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: the KV cache is not implemented"):
-        fai.flash_attn_with_kvcache(q, k, v, window_size=(4, 0), softcap=5.0)
+def test_flash_attn_with_kvcache_takes_windows_and_softcap():
+    q, k, v = _qkv()  # CPU tensors: the options pass their checks and reach the device check
+    seqlens = torch.full((q.shape[0],), 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"q\.device"):
+        fai.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, window_size=(4, 0), softcap=5.0)
     assert "window" in fai.flash_attn_with_kvcache.__doc__
 
 

@@ -1,0 +1,426 @@
+"""Attention against a KV cache (decoding and chunked prefill): ``flash3.attention_with_kvcache``.
+
+The cache is dense, (batch, seqlen_cache, nheads_k, headdim), or paged, (num_pages,
+page_size, nheads_k, headdim) with a (batch, max_pages) int32 page table. New tokens are
+written into it in place (after the optional rotary embedding), then every query attends
+to its sequence's first ``cache_seqlens[b] + seqlen_new`` keys.
+
+The attention runs on the variable-length forward kernels (``torch.ops.flash3.fwd_varlen``):
+each sequence's keys are a slot of the cache seen as one packed tensor, and
+``seqused_k`` holds the lengths, so nothing is synchronised with the host and a decode
+step can be captured in a CUDA graph. When every query row of a sequence sees the same
+keys (one query per sequence, or no causal mask and no window) two things make a decode
+step fill the GPU:
+
+* GQA packing: the query heads that share a K/V head become rows of one tile, so a
+  single query token does not leave a 128-row tile almost empty;
+* split-KV: each sequence's key range is cut into ``num_splits`` parts that run as
+  sequences of their own, and the parts' normalised outputs are merged with their
+  logsumexps (flash3.combine's formula). The split of a sequence depends only on its own
+  length and the split count, so with a fixed ``num_splits`` (or ``split_size``) a
+  request's output does not depend on the rest of the batch.
+
+Sinks are merged into the logsumexp after the kernels there (they join the denominator
+with no value). A paged cache is gathered into a contiguous buffer first (the kernels
+load whole tiles with TMA); the pages a sequence does not use are not read.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .interface import _C, _check_built, _check_devices, _check_flags, _check_options, _mask_kind
+from .interface import SUPPORTED_DTYPES, SUPPORTED_HEADDIMS
+from .interface import _fail as _fail_as
+
+__all__ = ["attention_with_kvcache"]
+
+_NAME = "flash3.attention_with_kvcache"
+# Keys per split are a multiple of this (whole key tiles in every split but the last).
+_SPLIT_ALIGN = 128
+_MAX_SPLITS = 128
+
+
+def _fail(exc_type, name, value, supported):
+    _fail_as(exc_type, name, value, supported, _NAME)
+
+
+def _check_tensor(name, t, dims, layout, dtype=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, type(t).__name__, f"a torch.Tensor {layout}")
+    if t.dim() != dims:
+        _fail(ValueError, f"{name}.dim()", t.dim(), f"{dims}: {layout}")
+    if dtype is not None and t.dtype != dtype:
+        _fail(TypeError, f"{name}.dtype", t.dtype, str(dtype))
+
+
+def _check_int(name, value, low, what):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(TypeError, name, type(value).__name__, what)
+    if value < low:
+        _fail(ValueError, name, value, what)
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _Call:
+    """The checked arguments of one call and the shapes derived from them."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q, rotary_cos,
+                 rotary_sin, rotary_interleaved, causal, window_size, softcap, sinks, softmax_scale, num_splits,
+                 split_size, return_lse):
+        self.packed_q = cu_seqlens_q is not None
+        if self.packed_q:
+            _check_tensor("q", q, 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+        else:
+            _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+        if q.dtype not in SUPPORTED_DTYPES:
+            _fail(TypeError, "q.dtype", q.dtype, "torch.bfloat16, torch.float16")
+        self.paged = page_table is not None
+        layout = "(num_pages, page_size, nheads_k, headdim)" if self.paged else "(batch, seqlen_cache, nheads_k, headdim)"
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_tensor(name, t, 4, layout, q.dtype)
+        if v_cache.shape != k_cache.shape:
+            _fail(ValueError, "v_cache.shape", tuple(v_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+        self.nheads, self.headdim = q.shape[-2], q.shape[-1]
+        self.nheads_k = k_cache.shape[2]
+        if self.headdim not in SUPPORTED_HEADDIMS:
+            _fail(ValueError, "headdim", self.headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)))
+        if k_cache.shape[3] != self.headdim:
+            _fail(ValueError, "k_cache.shape[3] (headdim)", k_cache.shape[3], f"the headdim of q ({self.headdim})")
+        if self.nheads_k == 0 or self.nheads % self.nheads_k != 0:
+            _fail(ValueError, "k_cache.shape[2] (nheads_k)", self.nheads_k,
+                  f"a divisor of q's nheads ({self.nheads}) (GQA/MQA)")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.stride(-1) != 1:
+                _fail(ValueError, f"{name}.stride(-1)", t.stride(-1), "1 (a contiguous head dim)")
+
+        if self.packed_q:
+            _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,) of int32", torch.int32)
+            self.batch = cu_seqlens_q.shape[0] - 1
+            if self.batch < 0:
+                _fail(ValueError, "cu_seqlens_q.shape[0]", 0, "batch + 1 >= 1")
+            _check_int("max_seqlen_q", max_seqlen_q, 0, "a Python int >= 0 with cu_seqlens_q")
+            self.seqlen_q = max_seqlen_q
+        else:
+            if max_seqlen_q is not None:
+                _fail(ValueError, "max_seqlen_q", max_seqlen_q, "None without cu_seqlens_q")
+            self.batch, self.seqlen_q = q.shape[0], q.shape[1]
+
+        if self.paged:
+            _check_tensor("page_table", page_table, 2, "(batch, max_pages) of int32", torch.int32)
+            if page_table.shape[0] != self.batch:
+                _fail(ValueError, "page_table.shape[0]", page_table.shape[0], f"the batch size ({self.batch})")
+            self.page_size = k_cache.shape[1]
+            if self.page_size < 1:
+                _fail(ValueError, "k_cache.shape[1] (page_size)", self.page_size, ">= 1")
+            self.capacity = page_table.shape[1] * self.page_size
+        else:
+            if k_cache.shape[0] != self.batch:
+                _fail(ValueError, "k_cache.shape[0] (batch)", k_cache.shape[0], f"the batch size of q ({self.batch})")
+            self.capacity = k_cache.shape[1]
+
+        if isinstance(cache_seqlens, bool) or cache_seqlens is None:
+            _fail(TypeError, "cache_seqlens", repr(cache_seqlens), "an int32 tensor (batch,) or a Python int")
+        if isinstance(cache_seqlens, int):
+            if not 0 <= cache_seqlens <= self.capacity:
+                _fail(ValueError, "cache_seqlens", cache_seqlens, f"0 <= cache_seqlens <= the cache's {self.capacity} slots")
+        else:
+            _check_tensor("cache_seqlens", cache_seqlens, 1, "(batch,) of int32", torch.int32)
+            if cache_seqlens.shape[0] != self.batch:
+                _fail(ValueError, "cache_seqlens.shape[0]", cache_seqlens.shape[0], f"the batch size ({self.batch})")
+
+        self.seqlen_new = 0
+        if (k is None) != (v is None):
+            _fail(ValueError, "k" if k is None else "v", None, "k and v both given (new tokens) or both None")
+        if k is not None:
+            if self.packed_q:
+                _fail(ValueError, "k", "a tensor", "None with cu_seqlens_q (write the cache before the call)")
+            for name, t in (("k", k), ("v", v)):
+                _check_tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)", q.dtype)
+            if k.shape != v.shape:
+                _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
+            want = (self.batch, k.shape[1], self.nheads_k, self.headdim)
+            if tuple(k.shape) != want:
+                _fail(ValueError, "k.shape", tuple(k.shape), f"(batch, seqlen_new, nheads_k, headdim) = {want}")
+            self.seqlen_new = k.shape[1]
+            if self.seqlen_new > self.capacity:
+                _fail(ValueError, "k.shape[1] (seqlen_new)", self.seqlen_new,
+                      f"at most the cache's {self.capacity} slots per sequence")
+
+        self.rotary_dim = 0
+        if (rotary_cos is None) != (rotary_sin is None):
+            _fail(ValueError, "rotary_sin" if rotary_sin is None else "rotary_cos", None,
+                  "rotary_cos and rotary_sin both given or both None")
+        if rotary_cos is not None:
+            if k is None:
+                _fail(ValueError, "rotary_cos", "a tensor", "None unless new tokens k, v are given")
+            for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+                _check_tensor(name, t, 2, "(seqlen_rotary, rotary_dim / 2)")
+                if not t.is_floating_point():
+                    _fail(TypeError, f"{name}.dtype", t.dtype, "a floating dtype")
+            if rotary_cos.shape != rotary_sin.shape:
+                _fail(ValueError, "rotary_sin.shape", tuple(rotary_sin.shape), f"the shape of rotary_cos {tuple(rotary_cos.shape)}")
+            self.rotary_dim = 2 * rotary_cos.shape[1]
+            if not 0 < self.rotary_dim <= self.headdim:
+                _fail(ValueError, "rotary_cos.shape[1]", rotary_cos.shape[1], f"1..headdim / 2 ({self.headdim // 2})")
+        if not isinstance(rotary_interleaved, bool):
+            _fail(TypeError, "rotary_interleaved", type(rotary_interleaved).__name__, "bool")
+        _check_flags(_NAME, causal, softmax_scale)
+        self.window_left, self.window_right, self.softcap = _check_options(_NAME, q, window_size, softcap, sinks)
+        _check_int("num_splits", num_splits, 0, "an int >= 0 (0: chosen from the shapes)")
+        if split_size is not None:
+            _check_int("split_size", split_size, 1, "None or an int >= 1 (keys per split)")
+            if num_splits not in (0, 1):
+                _fail(ValueError, "num_splits", num_splits, "0 with split_size (the split count follows from it)")
+        if not isinstance(return_lse, bool):
+            _fail(TypeError, "return_lse", type(return_lse).__name__, "bool")
+        others = [("k_cache", k_cache), ("v_cache", v_cache)]
+        others += [(n, t) for n, t in (("k", k), ("v", v), ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q),
+                                       ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("sinks", sinks))
+                   if t is not None]
+        if isinstance(cache_seqlens, torch.Tensor):
+            others.append(("cache_seqlens", cache_seqlens))
+        _check_devices(_NAME, q, others)
+        self.causal = causal
+        self.softmax_scale = 1.0 / math.sqrt(self.headdim) if softmax_scale is None else float(softmax_scale)
+        self.num_splits, self.split_size = num_splits, split_size
+
+
+def _rotate(x, cos, sin, interleaved):
+    """x (..., headdim) with cos, sin (..., rotary_dim / 2) broadcast over its heads:
+    the first rotary_dim features rotated (GPT-NeoX halves, or GPT-J pairs), in float32."""
+    rd = 2 * cos.shape[-1]
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return torch.cat((out.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _slots(c, cache_seqlens, page_table, positions):
+    """Indices into k_cache's first two dims of the cache slots at `positions` (batch, n)."""
+    if not c.paged:
+        rows = torch.arange(c.batch, device=positions.device).unsqueeze(1).expand_as(positions)
+        return rows, positions
+    pages = page_table.long().gather(1, torch.div(positions, c.page_size, rounding_mode="floor"))
+    return pages, positions % c.page_size
+
+
+def _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin, interleaved):
+    """Rotates q and k (where rotary tables are given) and writes k, v into the cache at
+    cache_seqlens[b] + t. Returns the (maybe rotated) q."""
+    t = torch.arange(c.seqlen_new, device=q.device)
+    positions = cache_seqlens.long().unsqueeze(1) + t  # (batch, seqlen_new)
+    if rotary_cos is not None:
+        cos, sin = rotary_cos.float()[positions], rotary_sin.float()[positions]  # (batch, n, rd / 2)
+        k = _rotate(k, cos.unsqueeze(2), sin.unsqueeze(2), interleaved)
+        # Queries sit at the new tokens' positions when a causal mask or window orders them;
+        # otherwise all at the first new position (FlashAttention's convention).
+        tq = torch.arange(c.seqlen_q, device=q.device) if (c.causal or c.window_left >= 0 or c.window_right >= 0) \
+            else torch.zeros(c.seqlen_q, dtype=torch.long, device=q.device)
+        pos_q = cache_seqlens.long().unsqueeze(1) + tq
+        q = _rotate(q, rotary_cos.float()[pos_q].unsqueeze(2), rotary_sin.float()[pos_q].unsqueeze(2), interleaved)
+    index = _slots(c, cache_seqlens, page_table, positions)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+    return q
+
+
+def _keys_view(c, cache, seqlens, page_table):
+    """The cache as packed (rows, nheads_k, headdim) keys and each sequence's first row."""
+    device = cache.device
+    if c.paged:
+        # Only the pages a sequence uses are gathered; the others read page 0 (any
+        # value: they lie past the length, where nothing is read).
+        max_pages = page_table.shape[1]
+        used = (torch.arange(max_pages, device=device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
+        pages = torch.where(used, page_table, torch.zeros_like(page_table)).flatten().long()
+        if cache.is_contiguous():
+            flat = cache.view(cache.shape[0], -1).index_select(0, pages)
+        else:
+            flat = cache[pages].reshape(pages.shape[0], -1)
+        rows = flat.view(-1, c.nheads_k, c.headdim)
+        return rows, torch.arange(c.batch, device=device, dtype=torch.int64) * c.capacity
+    batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+    if c.batch > 1 and batch_stride % row_stride != 0:
+        cache = cache.contiguous()  # batches not a whole number of rows apart: one copy
+        batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+    per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
+    total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
+    rows = cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1), cache.storage_offset())
+    return rows, torch.arange(c.batch, device=device, dtype=torch.int64) * per_batch
+
+
+def _choose_splits(c, rows_per_seq, heads, device):
+    """(splits, keys per split as an upper bound): num_splits or split_size as given, else
+    enough splits to give every SM two tiles, each of at least 256 keys."""
+    if c.split_size is not None:
+        size = c.split_size
+        return max(1, -(-c.capacity // size)), size
+    splits = c.num_splits
+    if splits == 0:
+        tiles = max(1, c.batch * heads * -(-rows_per_seq // 128))
+        splits = min(-(-2 * _num_sms(device) // tiles), -(-c.capacity // 256), _MAX_SPLITS)
+    splits = max(1, min(splits, max(1, c.capacity)))
+    size = -(-c.capacity // splits)
+    return splits, -(-size // _SPLIT_ALIGN) * _SPLIT_ALIGN
+
+
+def _merge_sinks(out, lse, sinks):
+    """out (batch, sq, nheads, d), lse (batch, nheads, sq): the sink logits join each
+    row's denominator (no value)."""
+    sink = sinks.float().view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    scale = torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)  # (batch, sq, nheads, 1)
+    return (out.float() * scale).to(out.dtype), total
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, page_table=None,
+                           cu_seqlens_q=None, max_seqlen_q=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0, sinks=None,
+                           softmax_scale=None, num_splits=0, split_size=None, return_lse=False):
+    """Attention of new queries against a KV cache, with the new keys and values appended.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), or packed (total_q, nheads, headdim) with
+            ``cu_seqlens_q``; torch.bfloat16 or torch.float16, CUDA.
+        k_cache, v_cache: the cache, q's dtype: dense (batch, seqlen_cache, nheads_k,
+            headdim), or paged (num_pages, page_size, nheads_k, headdim) with ``page_table``.
+            Any page size from 1. nheads % nheads_k == 0 (GQA/MQA). Written in place when
+            ``k``, ``v`` are given.
+        k, v: None, or the new tokens (batch, seqlen_new, nheads_k, headdim): written into
+            the cache at slots ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1``
+            (after the rotary embedding), then attended to.
+        cache_seqlens: int32 (batch,) (or a Python int for all): the tokens already in each
+            sequence's cache. Sequence b's queries attend to its first
+            ``cache_seqlens[b] + seqlen_new`` keys; slots past them may hold anything, NaN
+            included.
+        page_table: int32 (batch, max_pages): page p of sequence b (its slots
+            ``p * page_size ..``) is ``k_cache[page_table[b, p]]``. Entries for pages past a
+            sequence's length are not read; entries in use must be valid page indices (the
+            caller's contract: not checked on the device).
+        cu_seqlens_q, max_seqlen_q: packed queries (chunked prefill): sequence b's queries
+            are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (their last rows align with
+            the sequence's last keys). No new tokens (k, v) with packed queries.
+        rotary_cos, rotary_sin: None, or (seqlen_rotary, rotary_dim / 2) tables: k and q
+            are rotated on their first rotary_dim features at their positions (the new
+            tokens' ``cache_seqlens[b] + t``; q at the same positions when causal or
+            windowed, else all at ``cache_seqlens[b]``). Only with k, v.
+        rotary_interleaved: False rotates the two halves of the rotary features (GPT-NeoX),
+            True adjacent pairs (GPT-J).
+        causal, window_size, softcap, sinks, softmax_scale: as in ``flash3.attention``,
+            bottom-right aligned to each sequence's keys.
+        num_splits: split-KV parts per sequence (0: chosen from the shapes and the SM
+            count). Applies where every query row of a sequence sees the same keys (one
+            query per sequence, or neither causal nor windowed); elsewhere one part.
+        split_size: None, or the keys per part (the part count then follows from the
+            cache size): a request's output is then independent of the rest of the batch.
+        return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q) (packed
+            queries: (nheads, total_q)).
+
+    Returns:
+        out like q, or (out, lse).
+
+    The call never synchronises with the host (a decode step can be captured in a CUDA
+    graph). Positions past the cache (``cache_seqlens[b] + seqlen_new > seqlen_cache``)
+    are the caller's contract, like the page table's entries.
+    """
+    c = _Call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q, rotary_cos,
+              rotary_sin, rotary_interleaved, causal, window_size, softcap, sinks, softmax_scale, num_splits,
+              split_size, return_lse)
+    device = q.device
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((c.batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if k is not None:
+        q = _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
+                    rotary_interleaved)
+    seqlens = cache_seqlens + c.seqlen_new  # int32 (batch,)
+    keys, first_row = _keys_view(c, k_cache, seqlens, page_table)
+    values, _ = _keys_view(c, v_cache, seqlens, page_table)
+
+    same_keys = not c.packed_q and (c.seqlen_q == 1 or (not c.causal and c.window_left < 0 and c.window_right < 0))
+    if not same_keys:
+        return _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, return_lse)
+    return _attend_packed(c, q, keys, values, first_row, seqlens, sinks, return_lse)
+
+
+def _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, return_lse):
+    """One sequence per cache slot, the mask applied by the kernel."""
+    device = q.device
+    mask = _mask_kind(c.causal, (c.window_left, c.window_right), c.softcap, sinks, max(c.seqlen_q, 1),
+                      max(c.capacity, 1))
+    _check_built("fwd", q, c.causal, mask, _NAME)
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(c.batch + 1, device=device, dtype=torch.int32) * c.seqlen_q
+        q_rows = q.reshape(c.batch * c.seqlen_q, c.nheads, c.headdim)
+    else:
+        q_rows = q
+    cu_k = torch.cat((first_row, first_row.new_tensor([keys.shape[0]]))).to(torch.int32)
+    out, lse = torch.ops.flash3.fwd_varlen(
+        q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, seqlens.contiguous(), c.seqlen_q,
+        c.capacity, c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
+        None if sinks is None else sinks.float().contiguous())
+    if c.packed_q:
+        return (out, lse) if return_lse else out
+    out = out.view(c.batch, c.seqlen_q, c.nheads, c.headdim)
+    lse = lse.view(c.nheads, c.batch, c.seqlen_q).transpose(0, 1)
+    return (out, lse) if return_lse else out
+
+
+def _attend_packed(c, q, keys, values, first_row, seqlens, sinks, return_lse):
+    """Every query row of a sequence sees the same keys: GQA packing and split-KV."""
+    device = q.device
+    g = c.nheads // c.nheads_k
+    rows = c.seqlen_q * g
+    mask = _mask_kind(False, (-1, -1), c.softcap, None, rows, max(c.capacity, 1))
+    _check_built("fwd", q, False, mask, _NAME)
+    # The keys every row sees: [lo, seqlens) (a left window cuts the start of the range).
+    lo = torch.zeros_like(seqlens)
+    if c.window_left >= 0:
+        lo = torch.clamp(seqlens - 1 - c.window_left, min=0)
+    span = seqlens - lo
+    splits, max_split = _choose_splits(c, rows, c.nheads_k, device)
+
+    # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh.
+    qp = q.view(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
+    qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
+    q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
+    # Split j of sequence b: keys lo + j * size .. (size a multiple of the alignment).
+    if c.split_size is not None:
+        size = torch.full_like(span, c.split_size)
+    else:
+        size = (torch.div(span + splits - 1, splits, rounding_mode="floor") + _SPLIT_ALIGN - 1) // _SPLIT_ALIGN * _SPLIT_ALIGN
+    j = torch.arange(splits, device=device, dtype=torch.int32)
+    start = (lo.unsqueeze(1) + j * size.unsqueeze(1))  # (batch, splits)
+    used = torch.clamp(span.unsqueeze(1) - j * size.unsqueeze(1), min=0)
+    used = torch.minimum(used, size.unsqueeze(1))
+    cu_k = (first_row.unsqueeze(1) + start.long()).flatten()
+    cu_k = torch.cat((cu_k, cu_k.new_tensor([keys.shape[0]]))).to(torch.int32)
+    cu_q = torch.arange(c.batch * splits + 1, device=device, dtype=torch.int32) * rows
+    out, lse = torch.ops.flash3.fwd_varlen(
+        q_rows, keys, values, cu_q, cu_k, None, used.flatten().to(torch.int32).contiguous(), rows, max_split,
+        c.softmax_scale, False, False, -1, -1, c.softcap, None)
+    out = out.view(c.batch, splits, rows, c.nheads_k, c.headdim)
+    lse = lse.view(c.nheads_k, c.batch, splits, rows)
+    if splits > 1:
+        total = torch.logsumexp(lse, dim=2)  # (hk, batch, rows); -inf where no split saw a key
+        weights = torch.exp(lse - total.masked_fill(total == float("-inf"), 0.0).unsqueeze(2))
+        weights = weights.permute(1, 2, 3, 0).unsqueeze(-1)  # (batch, splits, rows, hk, 1)
+        out = (weights * out.float()).sum(dim=1).to(q.dtype)  # (batch, rows, hk, d)
+        lse = total
+    else:
+        out, lse = out[:, 0], lse[:, :, 0]
+    # Back to (batch, seqlen_q, nheads, d) and (batch, nheads, seqlen_q).
+    out = out.view(c.batch, c.seqlen_q, g, c.nheads_k, c.headdim).permute(0, 1, 3, 2, 4)
+    out = out.reshape(c.batch, c.seqlen_q, c.nheads, c.headdim)
+    lse = lse.view(c.nheads_k, c.batch, c.seqlen_q, g).permute(1, 0, 3, 2).reshape(c.batch, c.nheads, c.seqlen_q)
+    if sinks is not None:
+        out, lse = _merge_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
