@@ -273,6 +273,11 @@ def _choose_splits(c, rows_per_seq, heads, device):
     return splits, -(-size // _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
+def _filled(like, value):
+    """A one-element tensor on like's device, filled there (no host copy: CUDA-graph safe)."""
+    return torch.full((1,), value, dtype=like.dtype, device=like.device)
+
+
 def _merge_sinks(out, lse, sinks):
     """out (batch, sq, nheads, d), lse (batch, nheads, sq): the sink logits join each
     row's denominator (no value)."""
@@ -362,7 +367,7 @@ def _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, re
         q_rows = q.reshape(c.batch * c.seqlen_q, c.nheads, c.headdim)
     else:
         q_rows = q
-    cu_k = torch.cat((first_row, first_row.new_tensor([keys.shape[0]]))).to(torch.int32)
+    cu_k = torch.cat((first_row, _filled(first_row, keys.shape[0]))).to(torch.int32)
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, seqlens.contiguous(), c.seqlen_q,
         c.capacity, c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
@@ -402,7 +407,7 @@ def _attend_packed(c, q, keys, values, first_row, seqlens, sinks, return_lse):
     used = torch.clamp(span.unsqueeze(1) - j * size.unsqueeze(1), min=0)
     used = torch.minimum(used, size.unsqueeze(1))
     cu_k = (first_row.unsqueeze(1) + start.long()).flatten()
-    cu_k = torch.cat((cu_k, cu_k.new_tensor([keys.shape[0]]))).to(torch.int32)
+    cu_k = torch.cat((cu_k, _filled(cu_k, keys.shape[0]))).to(torch.int32)
     cu_q = torch.arange(c.batch * splits + 1, device=device, dtype=torch.int32) * rows
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, keys, values, cu_q, cu_k, None, used.flatten().to(torch.int32).contiguous(), rows, max_split,

@@ -202,7 +202,9 @@ struct MainloopFwd {
   // the length are zeroed before the first O += P V reads them. Every consumer thread
   // zeroes a share, makes its stores visible to the tensor cores' (async) proxy and meets
   // the others at a named barrier, before its turn (no turn is held while waiting).
-  CUTLASS_DEVICE static void zero_v_tail(SharedStorage& storage, int stage, int first_row, int thread_idx) {
+  // Not inlined: its registers then stay out of the mainloop's allocation (inlined, the
+  // persistent hdim 256 kernels spilled).
+  __device__ __noinline__ static void zero_v_tail(SharedStorage& storage, int stage, int first_row, int thread_idx) {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const elements = (kBlockN - first_row) * kHeadDim;
     for (int i = thread_idx; i < elements; i += kConsumerThreads) {
@@ -267,6 +269,14 @@ struct MainloopFwd {
       clear(tOrO);
       return finalize();
     }
+    if constexpr (kVarlen) {
+      // Before any accumulator is live: later (after the first tile's softmax, or in the
+      // loop) the hdim 64 and 256 kernels spilled. The first S = Q K^T then waits for V too.
+      if (params.seqs.seqused_k != nullptr && seq.seqlen_k < n_end * kBlockN) {
+        pipeline_v.consumer_wait(read_v);  // the first V stage, waited on again below
+        zero_v_tail(storage, read_v.index(), seq.seqlen_k - (n_end - 1) * kBlockN, thread_idx);
+      }
+    }
 
     auto compute_scores = [&](auto& tSrS, int n_block) {
       Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
@@ -304,13 +314,6 @@ struct MainloopFwd {
     Tensor tOrP = make_tensor(rP.data(), accumulator_as_operand_a(rP.layout()));
     convert_into(tSrS, rP);
     clear(tOrO);
-    if constexpr (kVarlen) {
-      // Here rather than in the loop, where it would hold registers (hdim 256 spilled).
-      if (params.seqs.seqused_k != nullptr && seq.seqlen_k < n_end * kBlockN) {
-        pipeline_v.consumer_wait(read_v);  // the first V stage, waited on again below
-        zero_v_tail(storage, read_v.index(), seq.seqlen_k - (n_end - 1) * kBlockN, thread_idx);
-      }
-    }
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= n_begin; --n_block) {
