@@ -6,7 +6,7 @@ contexts 1k..128k, batch 1..128 (cells up to 1M cached tokens), dense cache and 
 16 and 128 tokens. Each call is timed as CUDA-graph replays (as serving stacks run decode
 steps). The figure is the effective bandwidth: bytes of K and V attended to / time,
 against the device-to-device copy bandwidth measured in the same run (read + write of a
-4 GiB buffer).
+4 GiB buffer) and the read bandwidth (a sum over it).
 
 Prefill on a paged cache: 4 sequences of 8k tokens, causal, the call on a page-128 cache
 against flash3.attention on the same keys held densely.
@@ -33,14 +33,17 @@ MAX_TOKENS = 1 << 20
 LAYOUTS = [None, 16, 128]
 
 
-def copy_bandwidth():
-    """GB/s of a device-to-device copy (bytes read + written / time)."""
+def memory_bandwidths():
+    """GB/s of a device-to-device copy (bytes read + written / time) and of a read (a sum
+    over the buffer) of 4 GiB."""
     n = 1 << 31  # elements: 4 GiB of bf16 per buffer
-    a = torch.empty(n, dtype=DT, device="cuda")
+    a = torch.randn(n // 1024, 1024, dtype=DT, device="cuda").view(-1)
     b = torch.empty_like(a)
-    ms = graph_ms(lambda: b.copy_(a), calls=3, replays=5)
-    del a, b
-    return 2 * n * 2 / (ms * 1e-3) / 1e9
+    copy_ms = graph_ms(lambda: b.copy_(a), calls=3, replays=5)
+    del b
+    read_ms = graph_ms(lambda: a.sum(), calls=3, replays=5)
+    del a
+    return 2 * n * 2 / (copy_ms * 1e-3) / 1e9, n * 2 / (read_ms * 1e-3) / 1e9
 
 
 def make_cache(batch, context, page_size, gen):
@@ -111,11 +114,11 @@ def _f(x, fmt="{:.0f}"):
 
 
 def markdown(data):
-    copy = data["copy_gbs"]
+    copy, read = data["copy_gbs"], data["read_gbs"]
     lines = [f"# Decoding against a KV cache (hdim {D}, bf16, {H} query / {HK} KV heads)", "",
-             f"GPU: {data['gpu']}. Copy bandwidth (read + write) in the same run: {copy:.0f} GB/s. "
-             f"FlashAttention-3: {data['fa3']}. Effective bandwidth = bytes of K and V attended to / time "
-             "(CUDA-graph replays); % of copy in brackets.", "",
+             f"GPU: {data['gpu']}. In the same run: copy bandwidth (read + write) {copy:.0f} GB/s, read "
+             f"bandwidth (a sum) {read:.0f} GB/s. FlashAttention-3: {data['fa3']}. Effective bandwidth = bytes "
+             "of K and V attended to / time (CUDA-graph replays); in brackets, % of the copy bandwidth.", "",
              "| seqlen_q | cache | batch | context | flash3 us | flash3 GB/s (% copy) | FA3 us | FA3 GB/s (% copy) | flash3 / FA3 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in data["decode"]:
@@ -144,9 +147,10 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     contexts = [8192, 32768] if args.quick else CONTEXTS
     batches = [1, 32] if args.quick else BATCHES
-    data = {"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_bandwidth(),
+    copy_gbs, read_gbs = memory_bandwidths()
+    data = {"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
             "fa3": "in the same run" if impl.fa3 is not None else f"not available ({impl.fa3_error})", "decode": []}
-    print(f"copy {data['copy_gbs']:.0f} GB/s", flush=True)
+    print(f"copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s", flush=True)
     for sq in (1, 4):
         for page in LAYOUTS:
             for context in contexts:

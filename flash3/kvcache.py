@@ -42,6 +42,20 @@ _SPLIT_ALIGN = 128
 _MAX_SPLITS = 128
 
 
+if _C is not None:
+
+    @torch.library.register_fake("flash3::kvcache_splits")
+    def _splits_fake(seqlens, per_batch, window_left, splits, align, fixed_size, total_rows):
+        n = seqlens.shape[0] * splits
+        return seqlens.new_empty((n + 1,)), seqlens.new_empty((n,))
+
+    @torch.library.register_fake("flash3::kvcache_combine")
+    def _combine_fake(out_partial, lse_partial, sinks, group):
+        batch, _, rows, nheads_k, headdim = out_partial.shape
+        out = out_partial.new_empty((batch, rows // group, nheads_k * group, headdim))
+        return out, lse_partial.new_empty((batch, nheads_k * group, rows // group))
+
+
 def _fail(exc_type, name, value, supported):
     _fail_as(exc_type, name, value, supported, _NAME)
 
@@ -234,20 +248,19 @@ def _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos,
 
 
 def _keys_view(c, cache, seqlens, page_table):
-    """The cache as packed (rows, nheads_k, headdim) keys and each sequence's first row."""
-    device = cache.device
+    """The cache as packed (rows, nheads_k, headdim) keys, and the rows from one sequence's
+    first key to the next one's."""
     if c.paged:
         # Only the pages a sequence uses are gathered; the others read page 0 (any
         # value: they lie past the length, where nothing is read).
         max_pages = page_table.shape[1]
-        used = (torch.arange(max_pages, device=device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
+        used = (torch.arange(max_pages, device=cache.device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
         pages = torch.where(used, page_table, torch.zeros_like(page_table)).flatten().long()
         if cache.is_contiguous():
             flat = cache.view(cache.shape[0], -1).index_select(0, pages)
         else:
             flat = cache[pages].reshape(pages.shape[0], -1)
-        rows = flat.view(-1, c.nheads_k, c.headdim)
-        return rows, torch.arange(c.batch, device=device, dtype=torch.int64) * c.capacity
+        return flat.view(-1, c.nheads_k, c.headdim), c.capacity
     batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
     if c.batch > 1 and batch_stride % row_stride != 0:
         cache = cache.contiguous()  # batches not a whole number of rows apart: one copy
@@ -255,7 +268,7 @@ def _keys_view(c, cache, seqlens, page_table):
     per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
     total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
     rows = cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1), cache.storage_offset())
-    return rows, torch.arange(c.batch, device=device, dtype=torch.int64) * per_batch
+    return rows, per_batch
 
 
 def _choose_splits(c, rows_per_seq, heads, device):
@@ -271,20 +284,6 @@ def _choose_splits(c, rows_per_seq, heads, device):
     splits = max(1, min(splits, max(1, c.capacity)))
     size = -(-c.capacity // splits)
     return splits, -(-size // _SPLIT_ALIGN) * _SPLIT_ALIGN
-
-
-def _filled(like, value):
-    """A one-element tensor on like's device, filled there (no host copy: CUDA-graph safe)."""
-    return torch.full((1,), value, dtype=like.dtype, device=like.device)
-
-
-def _merge_sinks(out, lse, sinks):
-    """out (batch, sq, nheads, d), lse (batch, nheads, sq): the sink logits join each
-    row's denominator (no value)."""
-    sink = sinks.float().view(1, -1, 1)
-    total = torch.logaddexp(lse, sink)
-    scale = torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)  # (batch, sq, nheads, 1)
-    return (out.float() * scale).to(out.dtype), total
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, page_table=None,
@@ -346,31 +345,31 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if k is not None:
         q = _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
                     rotary_interleaved)
-    seqlens = cache_seqlens + c.seqlen_new  # int32 (batch,)
-    keys, first_row = _keys_view(c, k_cache, seqlens, page_table)
+    seqlens = cache_seqlens + c.seqlen_new if c.seqlen_new else cache_seqlens.contiguous()  # int32 (batch,)
+    keys, per_batch = _keys_view(c, k_cache, seqlens, page_table)
     values, _ = _keys_view(c, v_cache, seqlens, page_table)
 
     same_keys = not c.packed_q and (c.seqlen_q == 1 or (not c.causal and c.window_left < 0 and c.window_right < 0))
     if not same_keys:
-        return _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, return_lse)
-    return _attend_packed(c, q, keys, values, first_row, seqlens, sinks, return_lse)
+        return _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse)
+    return _attend_packed(c, q, keys, values, per_batch, seqlens, sinks, return_lse)
 
 
-def _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, return_lse):
+def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse):
     """One sequence per cache slot, the mask applied by the kernel."""
-    device = q.device
     mask = _mask_kind(c.causal, (c.window_left, c.window_right), c.softcap, sinks, max(c.seqlen_q, 1),
                       max(c.capacity, 1))
     _check_built("fwd", q, c.causal, mask, _NAME)
     if cu_seqlens_q is None:
-        cu_seqlens_q = torch.arange(c.batch + 1, device=device, dtype=torch.int32) * c.seqlen_q
+        cu_seqlens_q = torch.arange(c.batch + 1, device=q.device, dtype=torch.int32) * c.seqlen_q
         q_rows = q.reshape(c.batch * c.seqlen_q, c.nheads, c.headdim)
     else:
         q_rows = q
-    cu_k = torch.cat((first_row, _filled(first_row, keys.shape[0]))).to(torch.int32)
+    # One part per sequence: its keys [0, seqlens[b]) from row b * per_batch.
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, per_batch, -1, 1, _SPLIT_ALIGN, 0, keys.shape[0])
     out, lse = torch.ops.flash3.fwd_varlen(
-        q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, seqlens.contiguous(), c.seqlen_q,
-        c.capacity, c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
+        q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, used, c.seqlen_q, c.capacity,
+        c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
         None if sinks is None else sinks.float().contiguous())
     if c.packed_q:
         return (out, lse) if return_lse else out
@@ -379,53 +378,26 @@ def _attend_rows(c, q, keys, values, first_row, seqlens, cu_seqlens_q, sinks, re
     return (out, lse) if return_lse else out
 
 
-def _attend_packed(c, q, keys, values, first_row, seqlens, sinks, return_lse):
+def _attend_packed(c, q, keys, values, per_batch, seqlens, sinks, return_lse):
     """Every query row of a sequence sees the same keys: GQA packing and split-KV."""
-    device = q.device
     g = c.nheads // c.nheads_k
     rows = c.seqlen_q * g
     mask = _mask_kind(False, (-1, -1), c.softcap, None, rows, max(c.capacity, 1))
     _check_built("fwd", q, False, mask, _NAME)
-    # The keys every row sees: [lo, seqlens) (a left window cuts the start of the range).
-    lo = torch.zeros_like(seqlens)
-    if c.window_left >= 0:
-        lo = torch.clamp(seqlens - 1 - c.window_left, min=0)
-    span = seqlens - lo
-    splits, max_split = _choose_splits(c, rows, c.nheads_k, device)
-
-    # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh.
-    qp = q.view(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
+    splits, max_split = _choose_splits(c, rows, c.nheads_k, q.device)
+    # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh, once per split.
+    qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
     qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
     q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
-    # Split j of sequence b: keys lo + j * size .. (size a multiple of the alignment).
-    if c.split_size is not None:
-        size = torch.full_like(span, c.split_size)
-    else:
-        size = (torch.div(span + splits - 1, splits, rounding_mode="floor") + _SPLIT_ALIGN - 1) // _SPLIT_ALIGN * _SPLIT_ALIGN
-    j = torch.arange(splits, device=device, dtype=torch.int32)
-    start = (lo.unsqueeze(1) + j * size.unsqueeze(1))  # (batch, splits)
-    used = torch.clamp(span.unsqueeze(1) - j * size.unsqueeze(1), min=0)
-    used = torch.minimum(used, size.unsqueeze(1))
-    cu_k = (first_row.unsqueeze(1) + start.long()).flatten()
-    cu_k = torch.cat((cu_k, _filled(cu_k, keys.shape[0]))).to(torch.int32)
-    cu_q = torch.arange(c.batch * splits + 1, device=device, dtype=torch.int32) * rows
+    cu_q = torch.arange(c.batch * splits + 1, device=q.device, dtype=torch.int32) * rows
+    # Split j of sequence b: the keys every row sees, [lo, seqlens[b]) (a left window cuts
+    # its start), in parts of a multiple of the alignment (or split_size) keys.
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, per_batch, c.window_left, splits, _SPLIT_ALIGN,
+                                                 c.split_size or 0, keys.shape[0])
     out, lse = torch.ops.flash3.fwd_varlen(
-        q_rows, keys, values, cu_q, cu_k, None, used.flatten().to(torch.int32).contiguous(), rows, max_split,
-        c.softmax_scale, False, False, -1, -1, c.softcap, None)
-    out = out.view(c.batch, splits, rows, c.nheads_k, c.headdim)
-    lse = lse.view(c.nheads_k, c.batch, splits, rows)
-    if splits > 1:
-        total = torch.logsumexp(lse, dim=2)  # (hk, batch, rows); -inf where no split saw a key
-        weights = torch.exp(lse - total.masked_fill(total == float("-inf"), 0.0).unsqueeze(2))
-        weights = weights.permute(1, 2, 3, 0).unsqueeze(-1)  # (batch, splits, rows, hk, 1)
-        out = (weights * out.float()).sum(dim=1).to(q.dtype)  # (batch, rows, hk, d)
-        lse = total
-    else:
-        out, lse = out[:, 0], lse[:, :, 0]
-    # Back to (batch, seqlen_q, nheads, d) and (batch, nheads, seqlen_q).
-    out = out.view(c.batch, c.seqlen_q, g, c.nheads_k, c.headdim).permute(0, 1, 3, 2, 4)
-    out = out.reshape(c.batch, c.seqlen_q, c.nheads, c.headdim)
-    lse = lse.view(c.nheads_k, c.batch, c.seqlen_q, g).permute(1, 0, 3, 2).reshape(c.batch, c.nheads, c.seqlen_q)
-    if sinks is not None:
-        out, lse = _merge_sinks(out, lse, sinks)
+        q_rows, keys, values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, False, False, -1, -1,
+        c.softcap, None)
+    out, lse = torch.ops.flash3.kvcache_combine(
+        out.view(c.batch, splits, rows, c.nheads_k, c.headdim), lse.view(c.nheads_k, c.batch, splits, rows),
+        None if sinks is None else sinks.float().contiguous(), g)
     return (out, lse) if return_lse else out

@@ -1,0 +1,178 @@
+// The KV-cache call's bookkeeping around the packed-batch forward kernels
+// (flash3/kvcache.py): where each split of each sequence's keys lies in the cache, and the
+// merge of the splits' partial results. One small kernel each, so that a decode step is
+// four launches (query packing, splits, attention, merge) rather than dozens of
+// elementwise operations.
+//
+// kvcache_splits: sequence b's keys [lo, seqlens[b]) (lo: where a left window starts for a
+// single query row) are cut into `splits` parts of `size` keys (a fixed size, or
+// ceil(span / (splits * align)) * align): part j of b is packed-batch sequence
+// b * splits + j, its first row b * per_batch + lo + j * size, its length
+// clamp(span - j * size, 0, size).
+//
+// kvcache_combine: out_partial (batch, splits, rows, nheads_k, d) and lse_partial
+// (nheads_k, batch, splits, rows), rows = seqlen_q * group (query head kvh * group + i at
+// position t is row t * group + i of K/V head kvh). Writes out (batch, seqlen_q, nheads, d)
+// and lse (batch, nheads, seqlen_q): lse = log(sum_s exp(lse_s)) (with the head's sink
+// logit in the sum where sinks are given) and out = sum_s exp(lse_s - lse) * out_s, in
+// float32. A row no split saw (and no sink) gets 0 and -inf.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace flash3 {
+namespace {
+
+__global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int batch, int64_t per_batch, int window_left,
+                                      int splits, int align, int fixed_size, int total_rows, int* __restrict__ cu_k,
+                                      int* __restrict__ used) {
+  int const i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) { cu_k[batch * splits] = total_rows; }
+  if (i >= batch * splits) { return; }
+  int const b = i / splits, j = i % splits;
+  int const len = seqlens[b];
+  int const lo = window_left >= 0 ? max(0, len - 1 - window_left) : 0;
+  int const span = max(0, len - lo);
+  int64_t const unit = int64_t(splits) * align;
+  int const size = fixed_size > 0 ? fixed_size : int((span + unit - 1) / unit) * align;
+  int64_t const start = int64_t(j) * size;
+  cu_k[i] = int(b * per_batch + lo + start);
+  used[i] = int(min(max(int64_t(span) - start, int64_t(0)), int64_t(size)));
+}
+
+template <class T>
+__device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
+template <>
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
+
+// One CTA per (batch, row, K/V head); one thread per feature (d <= 256 threads).
+template <class T>
+__global__ void kvcache_combine_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
+                                       float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse,
+                                       int batch, int splits, int rows, int nheads_k, int headdim, int group) {
+  int const kvh = blockIdx.x % nheads_k;
+  int const r = (blockIdx.x / nheads_k) % rows;
+  int const b = blockIdx.x / (nheads_k * rows);
+  int const t = r / group, h = kvh * group + r % group;
+  int const seqlen_q = rows / group, nheads = nheads_k * group;
+  // lse_partial[kvh][b][s][r]
+  float const* lse_s = lse_partial + (int64_t(kvh) * batch + b) * splits * rows + r;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) { m = fmaxf(m, lse_s[int64_t(s) * rows]); }
+  float const sink = sinks != nullptr ? sinks[h] : -INFINITY;
+  float const top = fmaxf(m, sink);
+  float total = -INFINITY;
+  if (top != -INFINITY) {
+    float sum = sink != -INFINITY ? expf(sink - top) : 0.f;
+    for (int s = 0; s < splits; ++s) { sum += expf(lse_s[int64_t(s) * rows] - top); }
+    total = top + logf(sum);
+  }
+  int64_t const out_row = ((int64_t(b) * seqlen_q + t) * nheads + h) * headdim;
+  for (int c = threadIdx.x; c < headdim; c += blockDim.x) {
+    float acc = 0.f;
+    if (total != -INFINITY) {
+      for (int s = 0; s < splits; ++s) {
+        float const l = lse_s[int64_t(s) * rows];
+        if (l == -INFINITY) { continue; }
+        int64_t const at = (((int64_t(b) * splits + s) * rows + r) * nheads_k + kvh) * headdim + c;
+        acc += expf(l - total) * to_float(out_partial[at]);
+      }
+    }
+    out[out_row + c] = from_float<T>(acc);
+  }
+  if (threadIdx.x == 0) { lse[(int64_t(b) * nheads + h) * seqlen_q + t] = total; }
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, int64_t per_batch, int64_t window_left,
+                                                  int64_t splits, int64_t align, int64_t fixed_size,
+                                                  int64_t total_rows) {
+  TORCH_CHECK(seqlens.is_cuda() && seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.is_contiguous(),
+              "flash3: kvcache_splits: seqlens must be a contiguous int32 CUDA tensor (batch,)");
+  TORCH_CHECK(splits >= 1 && align >= 1 && fixed_size >= 0 && per_batch >= 0 && total_rows >= 0 &&
+                  total_rows < (int64_t(1) << 31),
+              "flash3: kvcache_splits: splits ", splits, ", align ", align, ", fixed_size ", fixed_size,
+              ", per_batch ", per_batch, ", total_rows ", total_rows, " out of range");
+  int64_t const batch = seqlens.size(0);
+  c10::cuda::CUDAGuard const guard(seqlens.device());
+  at::Tensor cu_k = at::empty({batch * splits + 1}, seqlens.options());
+  at::Tensor used = at::empty({batch * splits}, seqlens.options());
+  int const n = int(batch * splits) + 1;
+  kvcache_splits_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
+      seqlens.data_ptr<int>(), int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
+      int(total_rows), cu_k.data_ptr<int>(), used.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {cu_k, used};
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial, at::Tensor const& lse_partial,
+                                                   std::optional<at::Tensor> const& sinks, int64_t group) {
+  TORCH_CHECK(out_partial.is_cuda() && out_partial.dim() == 5 && out_partial.is_contiguous(),
+              "flash3: kvcache_combine: out_partial must be a contiguous CUDA tensor (batch, splits, rows, nheads_k, d)");
+  TORCH_CHECK(out_partial.scalar_type() == at::kBFloat16 || out_partial.scalar_type() == at::kHalf,
+              "flash3: kvcache_combine: out_partial must be bf16 or fp16");
+  int64_t const batch = out_partial.size(0), splits = out_partial.size(1), rows = out_partial.size(2);
+  int64_t const nheads_k = out_partial.size(3), headdim = out_partial.size(4);
+  TORCH_CHECK(lse_partial.is_cuda() && lse_partial.scalar_type() == at::kFloat && lse_partial.is_contiguous() &&
+                  lse_partial.dim() == 4 && lse_partial.size(0) == nheads_k && lse_partial.size(1) == batch &&
+                  lse_partial.size(2) == splits && lse_partial.size(3) == rows,
+              "flash3: kvcache_combine: lse_partial must be contiguous float32 (nheads_k, batch, splits, rows)");
+  TORCH_CHECK(group >= 1 && rows % group == 0 && headdim <= 256,
+              "flash3: kvcache_combine: group ", group, " must divide rows ", rows, "; headdim ", headdim, " <= 256");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->is_cuda() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == nheads_k * group,
+                "flash3: kvcache_combine: sinks must be contiguous float32 (nheads,)");
+  }
+  c10::cuda::CUDAGuard const guard(out_partial.device());
+  int64_t const seqlen_q = rows / group, nheads = nheads_k * group;
+  at::Tensor out = at::empty({batch, seqlen_q, nheads, headdim}, out_partial.options());
+  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, lse_partial.options());
+  int64_t const blocks = batch * rows * nheads_k;
+  if (blocks == 0) { return {out, lse}; }
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "flash3: kvcache_combine: too many rows");
+  int const threads = int((headdim + 31) / 32 * 32);
+  float const* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (out_partial.scalar_type() == at::kBFloat16) {
+    kvcache_combine_kernel<__nv_bfloat16><<<int(blocks), threads, 0, stream>>>(
+        reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
+        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        int(nheads_k), int(headdim), int(group));
+  } else {
+    kvcache_combine_kernel<__half><<<int(blocks), threads, 0, stream>>>(
+        reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
+        reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        int(nheads_k), int(headdim), int(group));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace flash3
+
+TORCH_LIBRARY_FRAGMENT(flash3, m) {
+  m.def("kvcache_splits(Tensor seqlens, int per_batch, int window_left, int splits, int align, int fixed_size, "
+        "int total_rows) -> (Tensor cu_k, Tensor used)");
+  m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group) -> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash3, CUDA, m) {
+  m.impl("kvcache_splits", &flash3::kvcache_splits);
+  m.impl("kvcache_combine", &flash3::kvcache_combine);
+}
