@@ -5,10 +5,13 @@
 // elementwise operations.
 //
 // kvcache_splits: sequence b's keys [lo, seqlens[b]) (lo: where a left window starts for a
-// single query row) are cut into `splits` parts of `size` keys (a fixed size, or
-// ceil(span / (splits * align)) * align): part j of b is packed-batch sequence
-// b * splits + j, its first row b * per_batch + lo + j * size, its length
-// clamp(span - j * size, 0, size).
+// single query row) are cut into `splits` parts; part j of b is packed-batch sequence
+// b * splits + j. A dense cache: parts of `size` keys (a fixed size, or
+// ceil(span / (splits * align)) * align), part j's first row b * per_batch + lo + j * size,
+// its length clamp(span - j * size, 0, size). A paged cache (page_table given): part j is
+// page j of the sequence (splits = max_pages), its keys [j, j + 1) * page_size within
+// [lo, seqlens[b]), at row page_table[b][j] * per_batch (the rows from one page to the
+// next) + their offset in the page.
 //
 // kvcache_combine: out_partial (batch, splits, rows, nheads_k, d) and lse_partial
 // (nheads_k, batch, splits, rows), rows = seqlen_q * group (query head kvh * group + i at
@@ -30,8 +33,9 @@
 namespace flash3 {
 namespace {
 
-__global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int batch, int64_t per_batch, int window_left,
-                                      int splits, int align, int fixed_size, int total_rows, int* __restrict__ cu_k,
+__global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const* __restrict__ page_table,
+                                      int page_size, int batch, int64_t per_batch, int window_left, int splits,
+                                      int align, int fixed_size, int total_rows, int* __restrict__ cu_k,
                                       int* __restrict__ used) {
   int const i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i == 0) { cu_k[batch * splits] = total_rows; }
@@ -39,6 +43,16 @@ __global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int batch
   int const b = i / splits, j = i % splits;
   int const len = seqlens[b];
   int const lo = window_left >= 0 ? max(0, len - 1 - window_left) : 0;
+  if (page_table != nullptr) {
+    int64_t const page_begin = int64_t(j) * page_size;
+    int64_t const first = max(page_begin, int64_t(lo));
+    int64_t const last = min(page_begin + page_size, int64_t(len));
+    bool const any = last > first;
+    // Pages past the length are not read (their entries may be anything).
+    cu_k[i] = any ? int(int64_t(page_table[i]) * per_batch + (first - page_begin)) : 0;
+    used[i] = any ? int(last - first) : 0;
+    return;
+  }
   int const span = max(0, len - lo);
   int64_t const unit = int64_t(splits) * align;
   int const size = fixed_size > 0 ? fixed_size : int((span + unit - 1) / unit) * align;
@@ -98,7 +112,8 @@ __global__ void kvcache_combine_kernel(T const* __restrict__ out_partial, float 
   if (threadIdx.x == 0) { lse[(int64_t(b) * nheads + h) * seqlen_q + t] = total; }
 }
 
-std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, int64_t per_batch, int64_t window_left,
+std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std::optional<at::Tensor> const& page_table,
+                                                  int64_t page_size, int64_t per_batch, int64_t window_left,
                                                   int64_t splits, int64_t align, int64_t fixed_size,
                                                   int64_t total_rows) {
   TORCH_CHECK(seqlens.is_cuda() && seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.is_contiguous(),
@@ -108,12 +123,19 @@ std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, int
               "flash3: kvcache_splits: splits ", splits, ", align ", align, ", fixed_size ", fixed_size,
               ", per_batch ", per_batch, ", total_rows ", total_rows, " out of range");
   int64_t const batch = seqlens.size(0);
+  if (page_table.has_value()) {
+    TORCH_CHECK(page_table->is_cuda() && page_table->scalar_type() == at::kInt && page_table->is_contiguous() &&
+                    page_table->dim() == 2 && page_table->size(0) == batch && page_table->size(1) == splits &&
+                    page_size >= 1,
+                "flash3: kvcache_splits: page_table must be contiguous int32 (batch, splits), page_size >= 1");
+  }
   c10::cuda::CUDAGuard const guard(seqlens.device());
   at::Tensor cu_k = at::empty({batch * splits + 1}, seqlens.options());
   at::Tensor used = at::empty({batch * splits}, seqlens.options());
   int const n = int(batch * splits) + 1;
   kvcache_splits_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
-      seqlens.data_ptr<int>(), int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
+      seqlens.data_ptr<int>(), page_table.has_value() ? page_table->data_ptr<int>() : nullptr, int(page_size),
+      int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
       int(total_rows), cu_k.data_ptr<int>(), used.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {cu_k, used};
@@ -167,8 +189,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
 }  // namespace flash3
 
 TORCH_LIBRARY_FRAGMENT(flash3, m) {
-  m.def("kvcache_splits(Tensor seqlens, int per_batch, int window_left, int splits, int align, int fixed_size, "
-        "int total_rows) -> (Tensor cu_k, Tensor used)");
+  m.def("kvcache_splits(Tensor seqlens, Tensor? page_table, int page_size, int per_batch, int window_left, "
+        "int splits, int align, int fixed_size, int total_rows) -> (Tensor cu_k, Tensor used)");
   m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group) -> (Tensor out, Tensor lse)");
 }
 

@@ -40,12 +40,16 @@ _NAME = "flash3.attention_with_kvcache"
 # Keys per split are a multiple of this (whole key tiles in every split but the last).
 _SPLIT_ALIGN = 128
 _MAX_SPLITS = 128
+# Paged caches with pages of at least this many keys run each page as a split of its own,
+# read in place; smaller pages are gathered into a contiguous buffer first (a page would
+# fill too little of a key tile).
+_PAGE_SPLIT_MIN = 128
 
 
 if _C is not None:
 
     @torch.library.register_fake("flash3::kvcache_splits")
-    def _splits_fake(seqlens, per_batch, window_left, splits, align, fixed_size, total_rows):
+    def _splits_fake(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, total_rows):
         n = seqlens.shape[0] * splits
         return seqlens.new_empty((n + 1,)), seqlens.new_empty((n,))
 
@@ -273,14 +277,16 @@ def _keys_view(c, cache, seqlens, page_table):
 
 def _choose_splits(c, rows_per_seq, heads, device):
     """(splits, keys per split as an upper bound): num_splits or split_size as given, else
-    enough splits to give every SM two tiles, each of at least 256 keys."""
+    about one tile per SM, each of at least 256 keys. (H200, hdim 128, 8 K/V heads, one
+    query: 16 splits at batch 1, 2 at batch 8, none from batch 32 measured best; twice as
+    many tiles was 10-20% slower at batch 1 and 8.)"""
     if c.split_size is not None:
         size = c.split_size
         return max(1, -(-c.capacity // size)), size
     splits = c.num_splits
     if splits == 0:
         tiles = max(1, c.batch * heads * -(-rows_per_seq // 128))
-        splits = min(-(-2 * _num_sms(device) // tiles), -(-c.capacity // 256), _MAX_SPLITS)
+        splits = min(max(1, round(_num_sms(device) / tiles)), -(-c.capacity // 256), _MAX_SPLITS)
     splits = max(1, min(splits, max(1, c.capacity)))
     size = -(-c.capacity // splits)
     return splits, -(-size // _SPLIT_ALIGN) * _SPLIT_ALIGN
@@ -346,13 +352,40 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q = _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
                     rotary_interleaved)
     seqlens = cache_seqlens + c.seqlen_new if c.seqlen_new else cache_seqlens.contiguous()  # int32 (batch,)
+    same_keys = not c.packed_q and (c.seqlen_q == 1 or (not c.causal and c.window_left < 0 and c.window_right < 0))
+    if same_keys and c.paged and c.page_size >= _PAGE_SPLIT_MIN:
+        return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks, return_lse)
     keys, per_batch = _keys_view(c, k_cache, seqlens, page_table)
     values, _ = _keys_view(c, v_cache, seqlens, page_table)
-
-    same_keys = not c.packed_q and (c.seqlen_q == 1 or (not c.causal and c.window_left < 0 and c.window_right < 0))
     if not same_keys:
         return _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse)
-    return _attend_packed(c, q, keys, values, per_batch, seqlens, sinks, return_lse)
+    splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device)
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, per_batch, c.window_left, splits, _SPLIT_ALIGN,
+                                                 c.split_size or 0, keys.shape[0])
+    return _attend_packed(c, q, keys, values, cu_k, used, splits, max_split, sinks, return_lse)
+
+
+def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks, return_lse):
+    """A paged cache of large pages, read in place: each page is a split."""
+    views = []
+    for cache in (k_cache, v_cache):
+        page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+        if page_stride % row_stride != 0:
+            cache = cache.contiguous()  # pages not a whole number of rows apart: one copy
+            page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+        per_page = page_stride // row_stride
+        total = (cache.shape[0] - 1) * per_page + c.page_size
+        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
+                                       cache.storage_offset()), per_page))
+    (keys, per_page), (values, per_page_v) = views
+    if per_page_v != per_page:
+        values = v_cache.contiguous().view(-1, c.nheads_k, c.headdim)
+        keys = k_cache.contiguous().view(-1, c.nheads_k, c.headdim)
+        per_page = c.page_size
+    splits = page_table.shape[1]
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, per_page,
+                                                 c.window_left, splits, 1, 0, keys.shape[0])
+    return _attend_packed(c, q, keys, values, cu_k, used, splits, c.page_size, sinks, return_lse)
 
 
 def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse):
@@ -366,7 +399,7 @@ def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, re
     else:
         q_rows = q
     # One part per sequence: its keys [0, seqlens[b]) from row b * per_batch.
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, per_batch, -1, 1, _SPLIT_ALIGN, 0, keys.shape[0])
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, per_batch, -1, 1, _SPLIT_ALIGN, 0, keys.shape[0])
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, used, c.seqlen_q, c.capacity,
         c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
@@ -378,22 +411,18 @@ def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, re
     return (out, lse) if return_lse else out
 
 
-def _attend_packed(c, q, keys, values, per_batch, seqlens, sinks, return_lse):
-    """Every query row of a sequence sees the same keys: GQA packing and split-KV."""
+def _attend_packed(c, q, keys, values, cu_k, used, splits, max_split, sinks, return_lse):
+    """Every query row of a sequence sees the same keys: GQA packing and split-KV. Split j
+    of sequence b is packed-batch sequence b * splits + j (its keys at cu_k, used)."""
     g = c.nheads // c.nheads_k
     rows = c.seqlen_q * g
     mask = _mask_kind(False, (-1, -1), c.softcap, None, rows, max(c.capacity, 1))
     _check_built("fwd", q, False, mask, _NAME)
-    splits, max_split = _choose_splits(c, rows, c.nheads_k, q.device)
     # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh, once per split.
     qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
     qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
     q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
     cu_q = torch.arange(c.batch * splits + 1, device=q.device, dtype=torch.int32) * rows
-    # Split j of sequence b: the keys every row sees, [lo, seqlens[b]) (a left window cuts
-    # its start), in parts of a multiple of the alignment (or split_size) keys.
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, per_batch, c.window_left, splits, _SPLIT_ALIGN,
-                                                 c.split_size or 0, keys.shape[0])
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, keys, values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, False, False, -1, -1,
         c.softcap, None)

@@ -224,15 +224,17 @@ def test_fixed_split_size_is_batch_invariant(seed):
     _check_batch(q, cache, lengths, auto, lse)
 
 
+@pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("case", ["window", "window_causal", "softcap", "sinks", "all"])
-def test_options(seed, sq, case):
+def test_options(seed, page_size, sq, case):
     d, h, hk = 128, 8, 2
     _skip_unless_built(d, "local")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lengths = [700, 5, 0, 1024]
     batch, capacity = len(lengths), 1024
-    cache = Cache(gen, batch, capacity, hk, d, lengths, 16)
+    cache = Cache(gen, batch, capacity, hk, d, lengths, page_size)
+    cache.garble_unused_entries(lengths)
     q = torch.randn(batch, sq, h, d, device="cuda", dtype=DT, generator=gen)
     sinks = torch.randn(h, device="cuda", generator=gen)
     opts = {
@@ -289,10 +291,11 @@ def test_mqa_fp16_one_page_per_token(seed):
     _check_batch(q, cache, lengths, out, lse)
 
 
-def test_cuda_graph_replay(seed):
+@pytest.mark.parametrize("page", [16, 128])
+def test_cuda_graph_replay(seed, page):
     """A decode step (append with rotary, paged cache, splits) captured once and replayed
     with other lengths and inputs gives the eager results."""
-    d, h, hk, page = 128, 16, 4, 16
+    d, h, hk = 128, 16, 4
     _skip_unless_built(d)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lengths = [100, 2000, 7]
@@ -331,3 +334,31 @@ def test_cuda_graph_replay(seed):
         torch.cuda.synchronize()
         assert torch.equal(out_static, want)
         assert torch.equal(cache.k.nan_to_num(7.0), k_eager.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 128])
+def test_strided_caches(seed, page_size):
+    """Caches that are slices of larger allocations (rows of a batch entry or a page apart
+    by more than the slots used) are read in place, with the same results."""
+    d, h, hk = 64, 8, 2
+    _skip_unless_built(d)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = [130, 1, 255]
+    batch, capacity = len(lengths), 256
+    cache = Cache(gen, batch, capacity, hk, d, lengths, page_size)
+    q = torch.randn(batch, 1, h, d, device="cuda", dtype=DT, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    want = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, page_table=cache.page_table,
+                                         num_splits=3)
+    # The same cache inside larger buffers: extra slots per batch entry / page (NaN).
+    big_k = torch.full((cache.k.shape[0], cache.k.shape[1] + 24, hk, d), float("nan"), device="cuda", dtype=DT)
+    big_v = torch.full_like(big_k, float("nan"))
+    big_k[:, :cache.k.shape[1]] = cache.k
+    big_v[:, :cache.v.shape[1]] = cache.v
+    k_view, v_view = big_k[:, :cache.k.shape[1]], big_v[:, :cache.v.shape[1]]
+    assert not k_view.is_contiguous()
+    got = flash3.attention_with_kvcache(q, k_view, v_view, cache_seqlens=seqlens, page_table=cache.page_table,
+                                        num_splits=3)
+    assert torch.equal(got, want)
+    _check_batch(q, cache, lengths, got, flash3.attention_with_kvcache(
+        q, k_view, v_view, cache_seqlens=seqlens, page_table=cache.page_table, return_lse=True)[1])
