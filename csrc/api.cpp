@@ -50,6 +50,9 @@ struct Varlen {
   at::Tensor cu_seqlens_q, cu_seqlens_k;
   std::optional<at::Tensor> seqused_q, seqused_k;
   int64_t max_seqlen_q, max_seqlen_k;
+  // The forward may read K and V through a page table (params.h).
+  std::optional<at::Tensor> page_table = std::nullopt;
+  int64_t page_size = 0, page_rows = 0;
 };
 
 // The options of the local-mask kernels as the ops take them: FlashAttention-3's window
@@ -104,6 +107,11 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
   params.batch = static_cast<int>(varlen.cu_seqlens_q.size(0) - 1);
   params.seqlen_q = static_cast<int>(varlen.max_seqlen_q);
   params.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
+  if (varlen.page_table.has_value()) {
+    params.page_table = varlen.page_table->data_ptr<int>();
+    params.page_size = static_cast<int>(varlen.page_size);
+    params.page_rows = static_cast<int>(varlen.page_rows);
+  }
 }
 
 // The forward pass into out (like q) and lse ((batch, nheads, seqlen_q) float32), on
@@ -322,8 +330,21 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
                                               std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, double softmax_scale, bool causal,
                                               bool /*deterministic*/, int64_t window_left, int64_t window_right,
-                                              double softcap, std::optional<at::Tensor> const& sinks) {
+                                              double softcap, std::optional<at::Tensor> const& sinks,
+                                              std::optional<at::Tensor> const& page_table, int64_t page_size,
+                                              int64_t page_rows) {
   check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  if (page_table.has_value()) {
+    // Paged K and V (params.h): cu_seqlens_k holds virtual rows, the table maps them.
+    TORCH_CHECK(page_table->scalar_type() == at::kInt && page_table->is_contiguous() &&
+                    page_table->device() == q.device(),
+                "flash3: page_table must be a contiguous int32 tensor on the device of q");
+    TORCH_CHECK(page_size > 0 && page_size % flash3::kPageChunkRows == 0 && page_rows >= page_size &&
+                    page_rows % flash3::kPageChunkRows == 0,
+                "flash3: with a page_table, page_size (got ", page_size, ") and page_rows (got ", page_rows,
+                ") must be positive multiples of ", flash3::kPageChunkRows, ", page_rows >= page_size");
+    TORCH_CHECK(seqused_k.has_value(), "flash3: a page_table needs seqused_k");
+  }
   flash3::api::Options const options{window_left, window_right, softcap, sinks};
   options.check(q, q.size(1));
   at::Tensor const q4 = q.unsqueeze(0);
@@ -341,7 +362,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
     k4 = at::zeros({1, 1, k.size(1), headdim}, k.options());
     v4 = k4;
   }
-  flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
+  flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                                   page_table, page_size, page_rows};
   flash3::api::run_forward(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, causal, options, &varlen);
   return {out, lse};
 }
@@ -414,7 +436,8 @@ TORCH_LIBRARY(flash3, m) {
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
       "Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-      "bool deterministic=False, " FLASH3_OPTIONS ") -> (Tensor out, Tensor lse)");
+      "bool deterministic=False, " FLASH3_OPTIONS
+      ", Tensor? page_table=None, int page_size=0, int page_rows=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, "

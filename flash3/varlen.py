@@ -104,7 +104,7 @@ if _C is not None:
     @torch.library.register_fake("flash3::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-                         sinks=None):
+                         sinks=None, page_table=None, page_size=0, page_rows=0):
         total_q, nheads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -130,12 +130,16 @@ if _C is not None:
         ctx.has_seqused = (seqused_q is not None, seqused_k is not None)
         ctx.has_sinks = sinks is not None
         ctx.sinks_grad = sinks is not None and sinks.requires_grad
+        ctx.num_inputs = len(inputs)
+        ctx.paged = len(inputs) > 16 and inputs[16] is not None
         out, lse = output
         saved = [q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]
         saved += [t for t in (seqused_q, seqused_k, sinks) if t is not None]
         ctx.save_for_backward(*saved)
 
     def _backward(ctx, grad_out, grad_lse):
+        if ctx.paged:
+            raise NotImplementedError("flash3: no backward through a page_table (paged K/V is for inference)")
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rest = ctx.saved_tensors
         seqused_q = rest.pop(0) if ctx.has_seqused[0] else None
         seqused_k = rest.pop(0) if ctx.has_seqused[1] else None
@@ -147,7 +151,8 @@ if _C is not None:
             ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic,
             ctx.window_left, ctx.window_right, ctx.softcap, sinks,
         )
-        return (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.sinks_grad else None,)
+        grads = (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.sinks_grad else None,)
+        return grads + (None,) * (ctx.num_inputs - len(grads))
 
     torch.library.register_autograd("flash3::fwd_varlen", _backward, setup_context=_setup_context)
 

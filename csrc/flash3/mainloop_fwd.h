@@ -9,6 +9,7 @@
 
 #include "barriers.h"
 #include "mask.h"
+#include "paged_kv.h"
 #include "params.h"
 #include "seqlen.h"
 #include "softmax.h"
@@ -20,7 +21,8 @@ namespace flash3 {
 
 using namespace cute;
 
-// kVarlen: packed batches (seqlen.h), whose key slots past seqused_k may hold anything.
+// kVarlen: packed batches (seqlen.h), whose key slots past seqused_k may hold anything,
+// and whose K and V may be paged (paged_kv.h).
 template <class Traits, class Mask, bool kVarlen = false>
 struct MainloopFwd {
   using Element = typename Traits::Element;
@@ -63,9 +65,10 @@ struct MainloopFwd {
     }
   };
   using Options = std::conditional_t<Mask::kIsLocal, LocalOptions, NoOptions>;
+  using Pages = std::conditional_t<kVarlen, PagedKV<Traits>, NoPagedKV>;
 
   // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
-  struct Params : Loads, Options {
+  struct Params : Loads, Options, Pages {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
     // From the scores the softmax sees (q.k, or under softcap tanh(...)) to logits, in
@@ -75,7 +78,7 @@ struct MainloopFwd {
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Loads::make(p), Options::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.logit_scale(),
+    return {Loads::make(p), Options::make(p), Pages::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.logit_scale(),
             p.logit_scale_log2()};
   }
 
@@ -87,7 +90,10 @@ struct MainloopFwd {
     }
   }
 
-  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) { params.prefetch_descriptors(); }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    params.Loads::prefetch_descriptors();
+    params.Pages::prefetch_descriptors();
+  }
 
   // Whether query tile m_block sees any key.
   CUTLASS_DEVICE static bool has_keys(Params const& params, Seq const& seq, int m_block) {
@@ -132,31 +138,54 @@ struct MainloopFwd {
     Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA), (TMA)
-    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));  // (TMA, n), (TMA, PIPE)
-    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));  // (TMA, n), (TMA, PIPE)
+    // (TMA, n), (TMA, PIPE); not structured bindings, which C++17 lambdas cannot capture.
+    auto const tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto const tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    // Key tile n_block of K or V into a stage: one box, or through the page table, whose
+    // entries for the tile (`pages`) were read before the stage was waited for.
+    using TilePages = typename Pages::TilePages;
+    auto pages_of = [&](int n_block) {
+      return params.paged() ? params.pages_of(seq.offset_k + n_block * kBlockN, seq.offset_k + seq.seqlen_k)
+                            : TilePages{};
+    };
+    auto load_tile = [&](auto is_v, auto const& tma, auto const& tXgX, auto const& tXsX, auto& sX, uint64_t* barrier,
+                         int n_block, int stage, TilePages const& pages) {
+      if (params.paged()) {
+        params.template load_tile<decltype(is_v)::value>(pages, params.shape_k, *barrier, sX(_, _, stage), head_kv);
+      } else {
+        copy(tma.with(*barrier), tXgX(_, n_block), tXsX(_, stage));
+      }
+    };
+    auto load_k = [&](int n_block, TilePages const& pages) {
+      pipeline_k.producer_acquire(write_k);
+      load_tile(cute::false_type{}, params.tma_k, get<0>(tK), get<1>(tK), sK, pipeline_k.producer_get_barrier(write_k),
+                n_block, write_k.index(), pages);
+      ++write_k;
+    };
+    auto load_v = [&](int n_block, TilePages const& pages) {
+      pipeline_v.producer_acquire(write_v);
+      load_tile(cute::true_type{}, params.tma_v, get<0>(tV), get<1>(tV), sV, pipeline_v.producer_get_barrier(write_v),
+                n_block, write_v.index(), pages);
+      ++write_v;
+    };
 
     int n_block = n_end - 1;
+    TilePages pages = pages_of(n_block);
     // K first: the first GEMM needs only Q and K.
-    pipeline_k.producer_acquire(write_k);
-    copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
-    ++write_k;
+    load_k(n_block, pages);
     // The empty barrier starts in phase 0; waiting on the opposite parity passes at once
     // for the first tile.
     barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
     barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
     copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
          tQgQ, tQsQ);
-    pipeline_v.producer_acquire(write_v);
-    copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
-    ++write_v;
+    load_v(n_block, pages);
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= n_begin; --n_block) {
-      pipeline_k.producer_acquire(write_k);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
-      ++write_k;
-      pipeline_v.producer_acquire(write_v);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
-      ++write_v;
+      pages = pages_of(n_block);
+      load_k(n_block, pages);
+      load_v(n_block, pages);
     }
   }
 

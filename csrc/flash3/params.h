@@ -9,6 +9,9 @@
 
 namespace flash3 {
 
+// A paged K/V is loaded in boxes of this many rows, each within one page (paged_kv.h).
+constexpr int kPageChunkRows = 16;
+
 struct FwdParams {
   // q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim);
   // o like q. The last dimension is contiguous (the binding checks it), so only the
@@ -35,6 +38,16 @@ struct FwdParams {
   int const* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
+  // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v
+  // are then (rows, nheads_k, headdim) over the cache's pages, page p's slots from row
+  // p * page_rows, and cu_seqlens_k holds virtual rows: sequence b's key j is virtual row
+  // v = cu_seqlens_k[b] + j, the cache row page_table[v / page_size] * page_rows +
+  // v % page_size. page_size, page_rows and every cu_seqlens_k entry are multiples of
+  // kPageChunkRows (the binding and its caller see to it); the table's entries for the
+  // keys a sequence uses must be valid pages.
+  int const* page_table = nullptr;
+  int page_size = 0;
+  int page_rows = 0;
 
   int batch = 0;
   int seqlen_q = 0;
