@@ -18,7 +18,9 @@
 // position t is row t * group + i of K/V head kvh). Writes out (batch, seqlen_q, nheads, d)
 // and lse (batch, nheads, seqlen_q): lse = log(sum_s exp(lse_s)) (with the head's sink
 // logit in the sum where sinks are given) and out = sum_s exp(lse_s - lse) * out_s, in
-// float32. A row no split saw (and no sink) gets 0 and -inf.
+// float32. A row no split saw (and no sink) gets 0 and -inf. out_tail (batch * seqlen_q,
+// nheads, d) and lse_tail (nheads, batch * seqlen_q), where given, are one more part (the
+// varlen kernels' layout: the causal tail of several query tokens, flash3/kvcache.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -74,39 +76,75 @@ __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bf
 template <>
 __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
 
-// One CTA per (batch, row, K/V head); one thread per feature (d <= 256 threads).
+// One CTA per (batch, row, K/V head), kCombineWarps warps: the splits are shared out
+// among the warps (split s to warp s % kCombineWarps), each lane a column strip of the
+// head dim; the warps' partial sums meet in shared memory. With many splits (a page per
+// split) and few rows, one thread per feature looping over every split was slow.
+constexpr int kCombineWarps = 8;
+
 template <class T>
-__global__ void kvcache_combine_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
-                                       float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse,
-                                       int batch, int splits, int rows, int nheads_k, int headdim, int group) {
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    kvcache_combine_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
+                           float const* __restrict__ sinks, T const* __restrict__ out_tail,
+                           float const* __restrict__ lse_tail, T* __restrict__ out, float* __restrict__ lse, int batch,
+                           int splits, int rows, int nheads_k, int headdim, int group) {
+  __shared__ float reduce[kCombineWarps];
+  __shared__ float partial[kCombineWarps][256];
   int const kvh = blockIdx.x % nheads_k;
   int const r = (blockIdx.x / nheads_k) % rows;
   int const b = blockIdx.x / (nheads_k * rows);
   int const t = r / group, h = kvh * group + r % group;
   int const seqlen_q = rows / group, nheads = nheads_k * group;
+  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // lse_partial[kvh][b][s][r]
   float const* lse_s = lse_partial + (int64_t(kvh) * batch + b) * splits * rows + r;
+  // The rows' max over the splits (and the sink), then the sum of exponentials.
   float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) { m = fmaxf(m, lse_s[int64_t(s) * rows]); }
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) { m = fmaxf(m, lse_s[int64_t(s) * rows]); }
+  for (int offset = 16; offset > 0; offset /= 2) { m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset)); }
+  if (lane == 0) { reduce[warp] = m; }
+  __syncthreads();
+  m = reduce[0];
+  for (int w = 1; w < kCombineWarps; ++w) { m = fmaxf(m, reduce[w]); }
   float const sink = sinks != nullptr ? sinks[h] : -INFINITY;
-  float const top = fmaxf(m, sink);
+  int64_t const tail_row = int64_t(b) * seqlen_q + t;
+  float const tail = lse_tail != nullptr ? lse_tail[int64_t(h) * batch * seqlen_q + tail_row] : -INFINITY;
+  float const top = fmaxf(fmaxf(m, sink), tail);
+  __syncthreads();
+  float sum = 0.f;
+  if (top != -INFINITY) {
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) { sum += expf(lse_s[int64_t(s) * rows] - top); }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffffu, sum, offset); }
+  if (lane == 0) { reduce[warp] = sum; }
+  __syncthreads();
   float total = -INFINITY;
   if (top != -INFINITY) {
-    float sum = sink != -INFINITY ? expf(sink - top) : 0.f;
-    for (int s = 0; s < splits; ++s) { sum += expf(lse_s[int64_t(s) * rows] - top); }
+    sum = (sink != -INFINITY ? expf(sink - top) : 0.f) + (tail != -INFINITY ? expf(tail - top) : 0.f);
+    for (int w = 0; w < kCombineWarps; ++w) { sum += reduce[w]; }
     total = top + logf(sum);
   }
-  int64_t const out_row = ((int64_t(b) * seqlen_q + t) * nheads + h) * headdim;
-  for (int c = threadIdx.x; c < headdim; c += blockDim.x) {
+  // Each warp's splits, weighted, per column.
+  for (int c = lane; c < headdim; c += 32) {
     float acc = 0.f;
     if (total != -INFINITY) {
-      for (int s = 0; s < splits; ++s) {
+      for (int s = warp; s < splits; s += kCombineWarps) {
         float const l = lse_s[int64_t(s) * rows];
         if (l == -INFINITY) { continue; }
         int64_t const at = (((int64_t(b) * splits + s) * rows + r) * nheads_k + kvh) * headdim + c;
         acc += expf(l - total) * to_float(out_partial[at]);
       }
+      if (warp == 0 && tail != -INFINITY) {
+        acc += expf(tail - total) * to_float(out_tail[(tail_row * nheads + h) * headdim + c]);
+      }
     }
+    partial[warp][c] = acc;
+  }
+  __syncthreads();
+  int64_t const out_row = ((int64_t(b) * seqlen_q + t) * nheads + h) * headdim;
+  for (int c = threadIdx.x; c < headdim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int w = 0; w < kCombineWarps; ++w) { acc += partial[w][c]; }
     out[out_row + c] = from_float<T>(acc);
   }
   if (threadIdx.x == 0) { lse[(int64_t(b) * nheads + h) * seqlen_q + t] = total; }
@@ -142,7 +180,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std
 }
 
 std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial, at::Tensor const& lse_partial,
-                                                   std::optional<at::Tensor> const& sinks, int64_t group) {
+                                                   std::optional<at::Tensor> const& sinks, int64_t group,
+                                                   std::optional<at::Tensor> const& out_tail,
+                                                   std::optional<at::Tensor> const& lse_tail) {
   TORCH_CHECK(out_partial.is_cuda() && out_partial.dim() == 5 && out_partial.is_contiguous(),
               "flash3: kvcache_combine: out_partial must be a contiguous CUDA tensor (batch, splits, rows, nheads_k, d)");
   TORCH_CHECK(out_partial.scalar_type() == at::kBFloat16 || out_partial.scalar_type() == at::kHalf,
@@ -160,25 +200,37 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
                     sinks->numel() == nheads_k * group,
                 "flash3: kvcache_combine: sinks must be contiguous float32 (nheads,)");
   }
-  c10::cuda::CUDAGuard const guard(out_partial.device());
   int64_t const seqlen_q = rows / group, nheads = nheads_k * group;
+  TORCH_CHECK(out_tail.has_value() == lse_tail.has_value(), "flash3: kvcache_combine: out_tail and lse_tail go together");
+  if (out_tail.has_value()) {
+    TORCH_CHECK(out_tail->is_cuda() && out_tail->scalar_type() == out_partial.scalar_type() &&
+                    out_tail->is_contiguous() && out_tail->dim() == 3 && out_tail->size(0) == batch * seqlen_q &&
+                    out_tail->size(1) == nheads && out_tail->size(2) == headdim,
+                "flash3: kvcache_combine: out_tail must be contiguous (batch * seqlen_q, nheads, d) like out_partial");
+    TORCH_CHECK(lse_tail->is_cuda() && lse_tail->scalar_type() == at::kFloat && lse_tail->is_contiguous() &&
+                    lse_tail->dim() == 2 && lse_tail->size(0) == nheads && lse_tail->size(1) == batch * seqlen_q,
+                "flash3: kvcache_combine: lse_tail must be contiguous float32 (nheads, batch * seqlen_q)");
+  }
+  c10::cuda::CUDAGuard const guard(out_partial.device());
   at::Tensor out = at::empty({batch, seqlen_q, nheads, headdim}, out_partial.options());
   at::Tensor lse = at::empty({batch, nheads, seqlen_q}, lse_partial.options());
   int64_t const blocks = batch * rows * nheads_k;
   if (blocks == 0) { return {out, lse}; }
   TORCH_CHECK(blocks < (int64_t(1) << 31), "flash3: kvcache_combine: too many rows");
-  int const threads = int((headdim + 31) / 32 * 32);
+  int const threads = kCombineWarps * 32;
   float const* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  float const* lse_tail_ptr = lse_tail.has_value() ? lse_tail->data_ptr<float>() : nullptr;
+  void const* out_tail_ptr = out_tail.has_value() ? out_tail->data_ptr() : nullptr;
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   if (out_partial.scalar_type() == at::kBFloat16) {
     kvcache_combine_kernel<__nv_bfloat16><<<int(blocks), threads, 0, stream>>>(
         reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
-        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        static_cast<__nv_bfloat16 const*>(out_tail_ptr), lse_tail_ptr, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
         int(nheads_k), int(headdim), int(group));
   } else {
     kvcache_combine_kernel<__half><<<int(blocks), threads, 0, stream>>>(
         reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
-        reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        static_cast<__half const*>(out_tail_ptr), lse_tail_ptr, reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
         int(nheads_k), int(headdim), int(group));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -191,7 +243,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
 TORCH_LIBRARY_FRAGMENT(flash3, m) {
   m.def("kvcache_splits(Tensor seqlens, Tensor? page_table, int page_size, int per_batch, int window_left, "
         "int splits, int align, int fixed_size, int total_rows) -> (Tensor cu_k, Tensor used)");
-  m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group) -> (Tensor out, Tensor lse)");
+  m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group, Tensor? out_tail=None, "
+        "Tensor? lse_tail=None) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {

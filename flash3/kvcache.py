@@ -10,7 +10,8 @@ each sequence's keys are a slot of the cache seen as one packed tensor, and
 ``seqused_k`` holds the lengths, so nothing is synchronised with the host and a decode
 step can be captured in a CUDA graph. When every query row of a sequence sees the same
 keys (one query per sequence, or no causal mask and no window) two things make a decode
-step fill the GPU:
+step fill the GPU (with several causal query tokens, for the keys all of them see; the
+last seqlen_q - 1 run causally apart and the two results are merged):
 
 * GQA packing: the query heads that share a K/V head become rows of one tile, so a
   single query token does not leave a 128-row tile almost empty;
@@ -21,8 +22,11 @@ step fill the GPU:
   request's output does not depend on the rest of the batch.
 
 Sinks are merged into the logsumexp after the kernels there (they join the denominator
-with no value). A paged cache is gathered into a contiguous buffer first (the kernels
-load whole tiles with TMA); the pages a sequence does not use are not read.
+with no value). A paged cache whose pages are whole boxes of 16 rows is read in place:
+the kernels follow the page table (csrc/flash3/paged_kv.h), sequence b's keys being the
+virtual rows from b * max_pages * page_size. Other page sizes, and a left window with
+one query row (where a split starts mid-box), gather the pages a sequence uses into a
+contiguous buffer first, or with pages of 128 keys or more run each page as a split.
 """
 from __future__ import annotations
 
@@ -39,10 +43,13 @@ __all__ = ["attention_with_kvcache"]
 _NAME = "flash3.attention_with_kvcache"
 # Keys per split are a multiple of this (whole key tiles in every split but the last).
 _SPLIT_ALIGN = 128
+# The kernels read a paged cache in boxes of this many rows (params.h kPageChunkRows):
+# page sizes, the rows between pages and split starts must be multiples of it.
+_PAGE_CHUNK = 16
 _MAX_SPLITS = 128
-# Paged caches with pages of at least this many keys run each page as a split of its own,
-# read in place (_pages_in_place); smaller pages are gathered into a contiguous buffer
-# first (a page would fill too little of a key tile).
+# Where the kernels cannot follow the page table, paged caches with pages of at least
+# this many keys run each page as a split of its own (_pages_in_place); smaller pages are
+# gathered into a contiguous buffer first (a page would fill too little of a key tile).
 _PAGE_SPLIT_MIN = 128
 
 
@@ -54,7 +61,7 @@ if _C is not None:
         return seqlens.new_empty((n + 1,)), seqlens.new_empty((n,))
 
     @torch.library.register_fake("flash3::kvcache_combine")
-    def _combine_fake(out_partial, lse_partial, sinks, group):
+    def _combine_fake(out_partial, lse_partial, sinks, group, out_tail=None, lse_tail=None):
         batch, _, rows, nheads_k, headdim = out_partial.shape
         out = out_partial.new_empty((batch, rows // group, nheads_k * group, headdim))
         return out, lse_partial.new_empty((batch, nheads_k * group, rows // group))
@@ -251,28 +258,75 @@ def _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos,
     return q
 
 
-def _keys_view(c, cache, seqlens, page_table):
-    """The cache as packed (rows, nheads_k, headdim) keys, and the rows from one sequence's
-    first key to the next one's."""
+class _Rows:
+    """K and V as packed (rows, nheads_k, headdim) tensors, sequence b's keys from row
+    b * per_batch, and pages: None, or (page_table, page_size, page_rows) when those rows
+    are the kernels' virtual rows through the page table (params.h)."""
+
+    def __init__(self, keys, values, per_batch, pages=None):
+        self.keys, self.values, self.per_batch, self.pages = keys, values, per_batch, pages
+
+    @property
+    def total(self):
+        """The rows the splits op ends cu_seqlens_k with."""
+        return self.keys.shape[0] if self.pages is None else self.pages[0].shape[0] * self.per_batch
+
+    def kernel_args(self):
+        """fwd_varlen's trailing page arguments."""
+        return self.pages if self.pages is not None else (None, 0, 0)
+
+
+def _page_rows(c, cache):
+    """A paged cache as (rows, nheads_k, headdim), page p's slots from row p * page_rows,
+    and page_rows; None where the pages are not a whole number of rows apart."""
+    page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+    if row_stride == 0 or page_stride % row_stride != 0:
+        return None
+    page_rows = page_stride // row_stride
+    total = (cache.shape[0] - 1) * page_rows + c.page_size
+    return cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
+                            cache.storage_offset()), page_rows
+
+
+def _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=True):
+    """The cache as _Rows. A paged cache is read in place through the page table where its
+    pages are whole boxes and every key range starts at a box (starts_aligned: no left
+    window cuts a split's first box); otherwise the pages a sequence uses are gathered."""
     if c.paged:
+        views = (_page_rows(c, k_cache), _page_rows(c, v_cache))
+        if (starts_aligned and c.page_size % _PAGE_CHUNK == 0 and None not in views
+                and views[0][1] == views[1][1] and views[0][1] % _PAGE_CHUNK == 0
+                and (c.split_size is None or c.split_size % _PAGE_CHUNK == 0)
+                and c.batch * c.capacity < 2 ** 31 and views[0][0].shape[0] < 2 ** 31):
+            pages = (page_table.contiguous(), c.page_size, views[0][1])
+            return _Rows(views[0][0], views[1][0], c.capacity, pages)
         # Only the pages a sequence uses are gathered; the others read page 0 (any
         # value: they lie past the length, where nothing is read).
         max_pages = page_table.shape[1]
-        used = (torch.arange(max_pages, device=cache.device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
+        used = (torch.arange(max_pages, device=k_cache.device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
         pages = torch.where(used, page_table, torch.zeros_like(page_table)).flatten().long()
-        if cache.is_contiguous():
-            flat = cache.view(cache.shape[0], -1).index_select(0, pages)
-        else:
-            flat = cache[pages].reshape(pages.shape[0], -1)
-        return flat.view(-1, c.nheads_k, c.headdim), c.capacity
-    batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-    if c.batch > 1 and batch_stride % row_stride != 0:
-        cache = cache.contiguous()  # batches not a whole number of rows apart: one copy
+        gathered = []
+        for cache in (k_cache, v_cache):
+            if cache.is_contiguous():
+                flat = cache.view(cache.shape[0], -1).index_select(0, pages)
+            else:
+                flat = cache[pages].reshape(pages.shape[0], -1)
+            gathered.append(flat.view(-1, c.nheads_k, c.headdim))
+        return _Rows(gathered[0], gathered[1], c.capacity)
+    views = []
+    for cache in (k_cache, v_cache):
         batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-    per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
-    total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
-    rows = cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1), cache.storage_offset())
-    return rows, per_batch
+        if c.batch > 1 and batch_stride % row_stride != 0:
+            cache = cache.contiguous()  # batches not a whole number of rows apart: one copy
+            batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
+        per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
+        total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
+        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
+                                       cache.storage_offset()), per_batch))
+    if views[0][1] != views[1][1]:  # K and V batches apart by different row counts
+        return _Rows(k_cache.contiguous().view(-1, c.nheads_k, c.headdim),
+                     v_cache.contiguous().view(-1, c.nheads_k, c.headdim), c.capacity)
+    return _Rows(views[0][0], views[1][0], views[0][1])
 
 
 def _choose_splits(c, rows_per_seq, heads, device):
@@ -328,8 +382,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         causal, window_size, softcap, sinks, softmax_scale: as in ``flash3.attention``,
             bottom-right aligned to each sequence's keys.
         num_splits: split-KV parts per sequence (0: chosen from the shapes and the SM
-            count). Applies where every query row of a sequence sees the same keys (one
-            query per sequence, or neither causal nor windowed); elsewhere one part.
+            count). Applies to the keys every query row of a sequence sees: all of them
+            with one query per sequence or neither causal nor windowed; with causal
+            queries (no left window), all but the last seqlen_q - 1, the rest running
+            causally apart; with packed queries or other windows, one part.
         split_size: None, or the keys per part (the part count then follows from the
             cache size): a request's output is then independent of the rest of the batch.
         return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q) (packed
@@ -352,17 +408,52 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q = _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
                     rotary_interleaved)
     seqlens = cache_seqlens + c.seqlen_new if c.seqlen_new else cache_seqlens.contiguous()  # int32 (batch,)
-    same_keys = not c.packed_q and (c.seqlen_q == 1 or (not c.causal and c.window_left < 0 and c.window_right < 0))
-    if same_keys and c.paged and c.page_size >= _PAGE_SPLIT_MIN and _pages_in_place(c, q.device, page_table):
-        return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks, return_lse)
-    keys, per_batch = _keys_view(c, k_cache, seqlens, page_table)
-    values, _ = _keys_view(c, v_cache, seqlens, page_table)
-    if not same_keys:
-        return _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse)
+    unwindowed = c.window_left < 0 and c.window_right < 0
+    if not c.packed_q and (c.seqlen_q == 1 or (not c.causal and unwindowed)):
+        out, lse = _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks)
+    elif not c.packed_q and c.causal and c.window_left < 0:
+        out, lse = _attend_causal_queries(c, q, k_cache, v_cache, seqlens, page_table, sinks)
+    else:
+        kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
+        return _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks, kv=None, tail=None):
+    """Every query row of sequence b sees its keys [lo, seqlens[b]) (lo: a left window's
+    start for one query row, else 0): GQA packing and split-KV. kv: the cache's _Rows,
+    where the caller has them; tail: (out, lse) of one more part to merge (the causal
+    tail of several query tokens). Returns (out, lse)."""
+    if (kv is None and c.paged and c.window_left >= 0 and c.page_size >= _PAGE_SPLIT_MIN
+            and _pages_in_place(c, q.device, page_table)):
+        return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks)
+    if kv is None:
+        kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
     splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device)
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, per_batch, c.window_left, splits, _SPLIT_ALIGN,
-                                                 c.split_size or 0, keys.shape[0])
-    return _attend_packed(c, q, keys, values, cu_k, used, splits, max_split, sinks, return_lse)
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, c.window_left, splits,
+                                                 _SPLIT_ALIGN, c.split_size or 0, kv.total)
+    return _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, tail)
+
+
+def _attend_causal_queries(c, q, k_cache, v_cache, seqlens, page_table, sinks):
+    """Several causal query tokens (speculative decoding, chunked prefill of a dense
+    batch): the keys before A = the first query's position + 1, rounded down to a box of
+    _PAGE_CHUNK keys, are seen by every row and run packed and split (_attend_same_keys);
+    the rest (fewer than seqlen_q + _PAGE_CHUNK per sequence) run causally, in place;
+    the split merge takes their result as one more part. Returns (out, lse)."""
+    sq = c.seqlen_q
+    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
+    prefix = torch.clamp(seqlens - (sq - 1), min=0) // _PAGE_CHUNK * _PAGE_CHUNK  # int32 (batch,)
+    steps = torch.arange(c.batch + 1, device=q.device, dtype=torch.int32)
+    cu_k = steps * kv.per_batch
+    cu_k[:-1] += prefix
+    max_tail = sq - 1 + _PAGE_CHUNK - 1
+    mask = _mask_kind(True, (-1, -1), c.softcap, None, sq, max_tail)
+    _check_built("fwd", q, True, mask, _NAME)
+    tail = torch.ops.flash3.fwd_varlen(
+        q.reshape(c.batch * sq, c.nheads, c.headdim), kv.keys, kv.values, steps * sq, cu_k, None, seqlens - prefix,
+        sq, max_tail, c.softmax_scale, True, False, -1, -1, c.softcap, None, *kv.kernel_args())
+    return _attend_same_keys(c, q, k_cache, v_cache, prefix, page_table, sinks, kv=kv, tail=tail)
 
 
 def _pages_in_place(c, device, page_table):
@@ -375,30 +466,20 @@ def _pages_in_place(c, device, page_table):
     return page_table.shape[1] <= 128 or rows >= _num_sms(device)
 
 
-def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks, return_lse):
-    """A paged cache of large pages, read in place: each page is a split."""
-    views = []
-    for cache in (k_cache, v_cache):
-        page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-        if page_stride % row_stride != 0:
-            cache = cache.contiguous()  # pages not a whole number of rows apart: one copy
-            page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-        per_page = page_stride // row_stride
-        total = (cache.shape[0] - 1) * per_page + c.page_size
-        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
-                                       cache.storage_offset()), per_page))
-    (keys, per_page), (values, per_page_v) = views
-    if per_page_v != per_page:
-        values = v_cache.contiguous().view(-1, c.nheads_k, c.headdim)
-        keys = k_cache.contiguous().view(-1, c.nheads_k, c.headdim)
-        per_page = c.page_size
+def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks):
+    """A paged cache of large pages where a left window starts the keys mid-box: each
+    page is a split, read in place."""
+    views = (_page_rows(c, k_cache), _page_rows(c, v_cache))
+    if None in views or views[0][1] != views[1][1]:
+        views = (_page_rows(c, k_cache.contiguous()), _page_rows(c, v_cache.contiguous()))  # one copy
+    (keys, page_rows), (values, _) = views
     splits = page_table.shape[1]
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, per_page,
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, page_rows,
                                                  c.window_left, splits, 1, 0, keys.shape[0])
-    return _attend_packed(c, q, keys, values, cu_k, used, splits, c.page_size, sinks, return_lse)
+    return _attend_packed(c, q, _Rows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks)
 
 
-def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, return_lse):
+def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
     """One sequence per cache slot, the mask applied by the kernel."""
     mask = _mask_kind(c.causal, (c.window_left, c.window_right), c.softcap, sinks, max(c.seqlen_q, 1),
                       max(c.capacity, 1))
@@ -409,11 +490,11 @@ def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, re
     else:
         q_rows = q
     # One part per sequence: its keys [0, seqlens[b]) from row b * per_batch.
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, per_batch, -1, 1, _SPLIT_ALIGN, 0, keys.shape[0])
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, -1, 1, _SPLIT_ALIGN, 0, kv.total)
     out, lse = torch.ops.flash3.fwd_varlen(
-        q_rows, keys, values, cu_seqlens_q.contiguous(), cu_k, None, used, c.seqlen_q, c.capacity,
+        q_rows, kv.keys, kv.values, cu_seqlens_q.contiguous(), cu_k, None, used, c.seqlen_q, c.capacity,
         c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
-        None if sinks is None else sinks.float().contiguous())
+        None if sinks is None else sinks.float().contiguous(), *kv.kernel_args())
     if c.packed_q:
         return (out, lse) if return_lse else out
     out = out.view(c.batch, c.seqlen_q, c.nheads, c.headdim)
@@ -421,9 +502,10 @@ def _attend_rows(c, q, keys, values, per_batch, seqlens, cu_seqlens_q, sinks, re
     return (out, lse) if return_lse else out
 
 
-def _attend_packed(c, q, keys, values, cu_k, used, splits, max_split, sinks, return_lse):
+def _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, tail=None):
     """Every query row of a sequence sees the same keys: GQA packing and split-KV. Split j
-    of sequence b is packed-batch sequence b * splits + j (its keys at cu_k, used)."""
+    of sequence b is packed-batch sequence b * splits + j (its keys at cu_k, used).
+    Returns (out, lse)."""
     g = c.nheads // c.nheads_k
     rows = c.seqlen_q * g
     mask = _mask_kind(False, (-1, -1), c.softcap, None, rows, max(c.capacity, 1))
@@ -434,9 +516,9 @@ def _attend_packed(c, q, keys, values, cu_k, used, splits, max_split, sinks, ret
     q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
     cu_q = torch.arange(c.batch * splits + 1, device=q.device, dtype=torch.int32) * rows
     out, lse = torch.ops.flash3.fwd_varlen(
-        q_rows, keys, values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, False, False, -1, -1,
-        c.softcap, None)
+        q_rows, kv.keys, kv.values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, False, False, -1, -1,
+        c.softcap, None, *kv.kernel_args())
     out, lse = torch.ops.flash3.kvcache_combine(
         out.view(c.batch, splits, rows, c.nheads_k, c.headdim), lse.view(c.nheads_k, c.batch, splits, rows),
-        None if sinks is None else sinks.float().contiguous(), g)
-    return (out, lse) if return_lse else out
+        None if sinks is None else sinks.float().contiguous(), g, *(tail or (None, None)))
+    return out, lse

@@ -20,13 +20,26 @@ DT = torch.float32
 
 
 def _fwd_varlen(q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, deterministic, left, right,
-                softcap, sinks):
+                softcap, sinks, page_table=None, page_size=0, page_rows=0):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
     cq, ck = cu_q.tolist(), cu_k.tolist()
+    if page_table is not None:  # cu_k holds virtual rows (csrc/flash3/params.h)
+        assert page_size % 16 == 0 and page_rows % 16 == 0 and all(x % 16 == 0 for x in ck[:-1])
+        flat = page_table.flatten().long()
     for b in range(len(cq) - 1):
         nq = cq[b + 1] - cq[b] if used_q is None else int(used_q[b])
         nk = ck[b + 1] - ck[b] if used_k is None else int(used_k[b])
+        if page_table is not None:
+            virtual = torch.arange(ck[b], ck[b] + nk)
+            rows = flat[virtual // page_size] * page_rows + virtual % page_size
+            o, l = attention_ref(q[None, cq[b]:cq[b] + nq], k[None, rows], v[None, rows], softmax_scale=scale,
+                                 window_size=(-1 if left >= max_k - 1 else left,
+                                              0 if causal else (-1 if right >= max_q - 1 else right)),
+                                 softcap=softcap, sinks=sinks)
+            out[cq[b]:cq[b] + nq] = o[0].to(q.dtype)
+            lse[:, cq[b]:cq[b] + nq] = l[0]
+            continue
         # The binding's window normalisation.
         left_b = -1 if left >= max_k - 1 else left
         right_b = 0 if causal else (-1 if right >= max_q - 1 else right)
@@ -55,9 +68,15 @@ def _kvcache_splits(seqlens, page_table, page_size, per_batch, window_left, spli
     return torch.tensor(cu + [total_rows], dtype=torch.int32), torch.tensor(used, dtype=torch.int32)
 
 
-def _kvcache_combine(out_partial, lse_partial, sinks, group):
+def _kvcache_combine(out_partial, lse_partial, sinks, group, out_tail=None, lse_tail=None):
     batch, splits, rows, nheads_k, d = out_partial.shape
     lse = lse_partial.permute(1, 2, 3, 0)  # (batch, splits, rows, nheads_k)
+    if out_tail is not None:  # one more part, in the varlen kernels' layout
+        sq = rows // group
+        tail_out = out_tail.view(batch, sq, nheads_k, group, d).permute(0, 1, 3, 2, 4).reshape(batch, 1, rows, nheads_k, d)
+        tail_lse = lse_tail.view(nheads_k, group, batch, sq).permute(2, 3, 1, 0).reshape(batch, 1, rows, nheads_k)
+        out_partial = torch.cat((out_partial, tail_out), dim=1)
+        lse = torch.cat((lse, tail_lse), dim=1)
     terms = lse
     if sinks is not None:  # row r of K/V head kvh is query head kvh * group + r % group
         sink = sinks.view(nheads_k, group).t().repeat(rows // group, 1)  # (rows, nheads_k)

@@ -115,7 +115,7 @@ def _check_batch(q, cache, seqlens, out, lse, **kw):
                lse[b:b + 1], **kw)
 
 
-LAYOUTS = [None, 1, 16, 128]  # dense, then page sizes
+LAYOUTS = [None, 1, 16, 48, 128]  # dense, then page sizes (48: key tiles across pages)
 
 
 @pytest.mark.parametrize("page_size", LAYOUTS)
@@ -291,8 +291,8 @@ def test_mqa_fp16_one_page_per_token(seed):
     _check_batch(q, cache, lengths, out, lse)
 
 
-@pytest.mark.parametrize("page", [16, 128])
-def test_cuda_graph_replay(seed, page):
+@pytest.mark.parametrize("page, sq", [(16, 1), (128, 1), (128, 3)])
+def test_cuda_graph_replay(seed, page, sq):
     """A decode step (append with rotary, paged cache, splits) captured once and replayed
     with other lengths and inputs gives the eager results."""
     d, h, hk = 128, 16, 4
@@ -304,9 +304,9 @@ def test_cuda_graph_replay(seed, page):
     cache.garble_unused_entries([2048] * batch)
     cos, sin = _rotary(gen, capacity, 32)
     static = dict(
-        q=torch.randn(batch, 1, h, d, device="cuda", dtype=DT, generator=gen),
-        k=torch.randn(batch, 1, hk, d, device="cuda", dtype=DT, generator=gen),
-        v=torch.randn(batch, 1, hk, d, device="cuda", dtype=DT, generator=gen),
+        q=torch.randn(batch, sq, h, d, device="cuda", dtype=DT, generator=gen),
+        k=torch.randn(batch, sq, hk, d, device="cuda", dtype=DT, generator=gen),
+        v=torch.randn(batch, sq, hk, d, device="cuda", dtype=DT, generator=gen),
         seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
     )
     k_eager, v_eager = cache.k.clone(), cache.v.clone()
@@ -314,7 +314,7 @@ def test_cuda_graph_replay(seed, page):
     def step(kc, vc):
         return flash3.attention_with_kvcache(static["q"], kc, vc, k=static["k"], v=static["v"],
                                              cache_seqlens=static["seqlens"], page_table=cache.page_table,
-                                             rotary_cos=cos, rotary_sin=sin, num_splits=4)
+                                             rotary_cos=cos, rotary_sin=sin, num_splits=4, causal=sq > 1)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -337,9 +337,11 @@ def test_cuda_graph_replay(seed, page):
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 128])
-def test_strided_caches(seed, page_size):
+@pytest.mark.parametrize("extra", [24, 32])
+def test_strided_caches(seed, page_size, extra):
     """Caches that are slices of larger allocations (rows of a batch entry or a page apart
-    by more than the slots used) are read in place, with the same results."""
+    by more than the slots used: 24, which the kernels cannot follow through a page table,
+    and 32, which they can) give the same results."""
     d, h, hk = 64, 8, 2
     _skip_unless_built(d)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -351,7 +353,7 @@ def test_strided_caches(seed, page_size):
     want = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, page_table=cache.page_table,
                                          num_splits=3)
     # The same cache inside larger buffers: extra slots per batch entry / page (NaN).
-    big_k = torch.full((cache.k.shape[0], cache.k.shape[1] + 24, hk, d), float("nan"), device="cuda", dtype=DT)
+    big_k = torch.full((cache.k.shape[0], cache.k.shape[1] + extra, hk, d), float("nan"), device="cuda", dtype=DT)
     big_v = torch.full_like(big_k, float("nan"))
     big_k[:, :cache.k.shape[1]] = cache.k
     big_v[:, :cache.v.shape[1]] = cache.v
