@@ -142,50 +142,44 @@ struct MainloopFwd {
     auto const tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto const tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    // Key tile n_block of K or V into a stage: one box, or through the page table, whose
-    // entries for the tile (`pages`) were read before the stage was waited for.
-    using TilePages = typename Pages::TilePages;
-    auto pages_of = [&](int n_block) {
-      return params.paged() ? params.pages_of(seq.offset_k + n_block * kBlockN, seq.offset_k + seq.seqlen_k)
-                            : TilePages{};
-    };
+    // Key tile n_block of K or V into a stage: one box, or through the page table.
     auto load_tile = [&](auto is_v, auto const& tma, auto const& tXgX, auto const& tXsX, auto& sX, uint64_t* barrier,
-                         int n_block, int stage, TilePages const& pages) {
+                         int n_block, int stage) {
       if (params.paged()) {
-        params.template load_tile<decltype(is_v)::value>(pages, params.shape_k, *barrier, sX(_, _, stage), head_kv);
+        params.template load_tile<decltype(is_v)::value>(tma, params.shape_k, *barrier, sX(_, _, stage), head_kv,
+                                                         seq.offset_k + n_block * kBlockN,
+                                                         seq.offset_k + seq.seqlen_k);
       } else {
         copy(tma.with(*barrier), tXgX(_, n_block), tXsX(_, stage));
       }
     };
-    auto load_k = [&](int n_block, TilePages const& pages) {
+    auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(write_k);
       load_tile(cute::false_type{}, params.tma_k, get<0>(tK), get<1>(tK), sK, pipeline_k.producer_get_barrier(write_k),
-                n_block, write_k.index(), pages);
+                n_block, write_k.index());
       ++write_k;
     };
-    auto load_v = [&](int n_block, TilePages const& pages) {
+    auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(write_v);
       load_tile(cute::true_type{}, params.tma_v, get<0>(tV), get<1>(tV), sV, pipeline_v.producer_get_barrier(write_v),
-                n_block, write_v.index(), pages);
+                n_block, write_v.index());
       ++write_v;
     };
 
     int n_block = n_end - 1;
-    TilePages pages = pages_of(n_block);
     // K first: the first GEMM needs only Q and K.
-    load_k(n_block, pages);
+    load_k(n_block);
     // The empty barrier starts in phase 0; waiting on the opposite parity passes at once
     // for the first tile.
     barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
     barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
     copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
          tQgQ, tQsQ);
-    load_v(n_block, pages);
+    load_v(n_block);
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= n_begin; --n_block) {
-      pages = pages_of(n_block);
-      load_k(n_block, pages);
-      load_v(n_block, pages);
+      load_k(n_block);
+      load_v(n_block);
     }
   }
 

@@ -1,13 +1,15 @@
 // K and V read through a page table (params.h page_table), for the packed-batch forward
 // kernels: a serving cache of fixed-size pages is attended to in place, with no gather.
 //
-// A key tile of kBlockN rows is loaded as kBlockN / kPageChunkRows TMA boxes of
-// kPageChunkRows rows. Every box lies in one page (page sizes and split starts are
-// multiples of the box), so each needs one page-table entry; a box lands at its rows of
-// the tile's shared-memory stage, the same bytes one whole-tile box would write (the
-// swizzle repeats every 8 rows). The boxes of a tile complete the stage's transaction
-// count like one whole-tile box: boxes past the sequence's length read rows outside the
-// tensor, which TMA fills with zeros, and never touch the page table.
+// A key tile that lies in one page is one whole-tile TMA box at its cache row, as in the
+// dense kernels. Any other is loaded as kBlockN / kPageChunkRows boxes of kPageChunkRows
+// rows. Every such box lies in one page (page sizes and split starts are multiples of
+// the box), so each needs one page-table entry; a box lands at its rows of the tile's
+// shared-memory stage, the same bytes one whole-tile box would write (the swizzle
+// repeats every 8 rows). The boxes of a tile complete the stage's transaction count like
+// one whole-tile box: boxes past the sequence's length read rows outside the tensor,
+// which TMA fills with zeros, and never touch the page table. (H200, decoding at hdim
+// 128: tiles of 16-row boxes ran at half the speed of whole-tile boxes.)
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -56,30 +58,22 @@ struct PagedKV {
 
   CUTLASS_DEVICE bool paged() const { return page_table != nullptr; }
 
-  // The page of each box of one key tile (-1: past the sequence), read a tile ahead of
-  // the TMAs that need them, so that the loads' latency passes while the producer waits
-  // for a free stage (looked up box by box at issue time, the producer stalled on every
-  // entry: paged decoding ran at half the dense call's speed).
-  struct TilePages {
-    int first_row;
-    int page[kChunks];
-  };
-  // Virtual rows [first_row, first_row + kBlockN) of a sequence whose rows end at end_row.
-  CUTLASS_DEVICE TilePages pages_of(int first_row, int end_row) const {
-    TilePages t;
-    t.first_row = first_row;
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kChunks; ++c) {
-      int const v = first_row + c * kPageChunkRows;
-      t.page[c] = v < end_row ? page_table[v / page_size] : -1;
+  // One key tile of K (kIsV false) or V, virtual rows [first_row, first_row + kBlockN) of
+  // a sequence whose rows end at end_row, into s_stage (kBlockN, d), completing
+  // `barrier`; tma_tile: the whole-tile load of the same tensor. (Reading the tile's
+  // page-table entries a tile ahead, before the stage is waited for, measured no faster.)
+  template <bool kIsV, class TmaTile, class SmemStage>
+  CUTLASS_DEVICE void load_tile(TmaTile const& tma_tile, ShapeRowsHead const& shape, uint64_t& barrier,
+                                SmemStage&& s_stage, int head_kv, int first_row, int end_row) const {
+    int const in_page = first_row % page_size;
+    if (in_page + Traits::kBlockN <= page_size) {
+      int const row = page_table[first_row / page_size] * page_rows + in_page;
+      Tensor m = domain_offset(make_coord(row, _0{}), tma_tile.get_tma_tensor(shape)(_, _, head_kv, _0{}));
+      Tensor g = local_tile(m, Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));  // (N, d)
+      auto [tg, ts] = tma_partition(tma_tile, _0{}, Layout<_1>{}, group_modes<0, 2>(s_stage), group_modes<0, 2>(g));
+      copy(tma_tile.with(barrier), tg, ts);
+      return;
     }
-    return t;
-  }
-
-  // One key tile of K (kIsV false) or V into s_stage (kBlockN, d), completing `barrier`.
-  template <bool kIsV, class SmemStage>
-  CUTLASS_DEVICE void load_tile(TilePages const& t, ShapeRowsHead const& shape, uint64_t& barrier,
-                                SmemStage&& s_stage, int head_kv) const {
     TmaChunk const& tma = kIsV ? tma_v_chunk : tma_k_chunk;
     Tensor g = flat_divide(tma.get_tma_tensor(shape)(_, _, head_kv, _0{}), ChunkShape{});  // (R, d, rows / R, 1)
     Tensor s = flat_divide(s_stage, ChunkShape{});                                          // (R, d, kChunks, 1)
@@ -87,8 +81,9 @@ struct PagedKV {
     int const outside = get<0>(shape) / kPageChunkRows + 1;  // a box wholly past the tensor's rows
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kChunks; ++c) {
-      int const v = t.first_row + c * kPageChunkRows;
-      int const box = t.page[c] >= 0 ? (t.page[c] * page_rows + v % page_size) / kPageChunkRows : outside;
+      int const v = first_row + c * kPageChunkRows;
+      int const box =
+          v < end_row ? (page_table[v / page_size] * page_rows + v % page_size) / kPageChunkRows : outside;
       copy(tma.with(barrier), tg(_, box, _0{}), ts(_, c, _0{}));
     }
   }
@@ -103,12 +98,10 @@ struct PagedKV {
 
 // The dense kernels' stand-in: nothing paged.
 struct NoPagedKV {
-  struct TilePages {};
   static NoPagedKV make(FwdParams const&) { return {}; }
   CUTLASS_DEVICE static constexpr bool paged() { return false; }
-  CUTLASS_DEVICE TilePages pages_of(int, int) const { return {}; }
-  template <bool kIsV, class SmemStage>
-  CUTLASS_DEVICE void load_tile(TilePages const&, ShapeRowsHead const&, uint64_t&, SmemStage&&, int) const {}
+  template <bool kIsV, class TmaTile, class SmemStage>
+  CUTLASS_DEVICE void load_tile(TmaTile const&, ShapeRowsHead const&, uint64_t&, SmemStage&&, int, int, int) const {}
   CUTLASS_DEVICE void prefetch_descriptors() const {}
 };
 
