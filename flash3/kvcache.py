@@ -10,8 +10,8 @@ each sequence's keys are a slot of the cache seen as one packed tensor, and
 ``seqused_k`` holds the lengths, so nothing is synchronised with the host and a decode
 step can be captured in a CUDA graph. When every query row of a sequence sees the same
 keys (one query per sequence, or no causal mask and no window) two things make a decode
-step fill the GPU (with several causal query tokens, for the keys all of them see; the
-last seqlen_q - 1 run causally apart and the two results are merged):
+step fill the GPU (with a few causal query tokens, for the keys all of them see; the
+last ones run causally apart and the merge takes them as one more part):
 
 * GQA packing: the query heads that share a K/V head become rows of one tile, so a
   single query token does not leave a 128-row tile almost empty;
@@ -47,6 +47,11 @@ _SPLIT_ALIGN = 128
 # page sizes, the rows between pages and split starts must be multiples of it.
 _PAGE_CHUNK = 16
 _MAX_SPLITS = 128
+# Several causal query tokens take the prefix / tail split (_attend_causal_queries) while
+# their packed rows (seqlen_q * query heads per K/V head) fit one query tile; beyond, one
+# causal kernel call over the cache is faster (a 4 x 8192-token prefill through the
+# split wrote and merged a partial output of every row: 3x the time of the one call).
+_CAUSAL_SPLIT_ROWS = 128
 # Where the kernels cannot follow the page table, paged caches with pages of at least
 # this many keys run each page as a split of its own (_pages_in_place); smaller pages are
 # gathered into a contiguous buffer first (a page would fill too little of a key tile).
@@ -411,7 +416,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     unwindowed = c.window_left < 0 and c.window_right < 0
     if not c.packed_q and (c.seqlen_q == 1 or (not c.causal and unwindowed)):
         out, lse = _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks)
-    elif not c.packed_q and c.causal and c.window_left < 0:
+    elif (not c.packed_q and c.causal and c.window_left < 0
+          and c.seqlen_q * (c.nheads // c.nheads_k) <= _CAUSAL_SPLIT_ROWS):
         out, lse = _attend_causal_queries(c, q, k_cache, v_cache, seqlens, page_table, sinks)
     else:
         kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)

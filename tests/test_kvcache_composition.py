@@ -175,7 +175,7 @@ def _run(seed, page_size, sq, causal=False, h=8, hk=2, d=64, lengths=(0, 1, 300,
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 16, 128])
-@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("sq", [1, 4, 40])  # 40 x 4 rows: more than one tile
 @pytest.mark.parametrize("causal", [False, True])
 def test_caches(cpu_ops, page_size, sq, causal):
     _run((page_size or 0) + sq, page_size, sq, causal)

@@ -120,7 +120,7 @@ LAYOUTS = [None, 1, 16, 48, 128]  # dense, then page sizes (48: key tiles across
 
 @pytest.mark.parametrize("page_size", LAYOUTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("sq", [1, 4, 100])  # 100 x 4 query heads per K/V head: more rows than one tile
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_against_cache(seed, page_size, d, sq, causal):
     _skip_unless_built(d, "causal" if causal and sq > 1 else "none")
