@@ -52,6 +52,13 @@ _MAX_SPLITS = 128
 # causal kernel call over the cache is faster (a 4 x 8192-token prefill through the
 # split wrote and merged a partial output of every row: 3x the time of the one call).
 _CAUSAL_SPLIT_ROWS = 128
+# Pages of a multiple of 128 keys, read in place: splits of at most this many keys per
+# head dim, so that the packed kernels run their short-sequence tile (traits.h
+# short_seq_max_seqlen, unmasked), whose 128- and 64-key tiles each lie in one page and
+# load as one TMA box; the general hdim 128 and 256 tiles (176 and 80 keys) cross pages.
+# (H200, hdim 128, 8 K/V heads, one query, batch 8, 32k keys on pages of 128: 16 splits
+# 3797 GB/s, 2 splits 3035.)
+_PAGED_SPLIT_KEYS = {128: 2048, 256: 512}
 # Where the kernels cannot follow the page table, paged caches with pages of at least
 # this many keys run each page as a split of its own (_pages_in_place); smaller pages are
 # gathered into a contiguous buffer first (a page would fill too little of a key tile).
@@ -334,11 +341,12 @@ def _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=True):
     return _Rows(views[0][0], views[1][0], views[0][1])
 
 
-def _choose_splits(c, rows_per_seq, heads, device):
+def _choose_splits(c, rows_per_seq, heads, device, max_keys=None):
     """(splits, keys per split as an upper bound): num_splits or split_size as given, else
     about one tile per SM, each of at least 256 keys. (H200, hdim 128, 8 K/V heads, one
     query: 16 splits at batch 1, 2 at batch 8, none from batch 32 measured best; twice as
-    many tiles was 10-20% slower at batch 1 and 8.)"""
+    many tiles was 10-20% slower at batch 1 and 8.) max_keys: where given, the automatic
+    count makes splits of at most that many keys (up to _MAX_SPLITS)."""
     if c.split_size is not None:
         size = c.split_size
         return max(1, -(-c.capacity // size)), size
@@ -346,6 +354,8 @@ def _choose_splits(c, rows_per_seq, heads, device):
     if splits == 0:
         tiles = max(1, c.batch * heads * -(-rows_per_seq // 128))
         splits = min(max(1, round(_num_sms(device) / tiles)), -(-c.capacity // 256), _MAX_SPLITS)
+        if max_keys is not None:
+            splits = max(splits, min(-(-c.capacity // max_keys), _MAX_SPLITS))
     splits = max(1, min(splits, max(1, c.capacity)))
     size = -(-c.capacity // splits)
     return splits, -(-size // _SPLIT_ALIGN) * _SPLIT_ALIGN
@@ -435,7 +445,8 @@ def _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks, kv=Non
         return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks)
     if kv is None:
         kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
-    splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device)
+    max_keys = _PAGED_SPLIT_KEYS.get(c.headdim) if kv.pages is not None and c.page_size % 128 == 0 else None
+    splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device, max_keys)
     cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, c.window_left, splits,
                                                  _SPLIT_ALIGN, c.split_size or 0, kv.total)
     return _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, tail)
