@@ -398,9 +398,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             bottom-right aligned to each sequence's keys.
         num_splits: split-KV parts per sequence (0: chosen from the shapes and the SM
             count). Applies to the keys every query row of a sequence sees: all of them
-            with one query per sequence or neither causal nor windowed; with causal
-            queries (no left window), all but the last seqlen_q - 1, the rest running
-            causally apart; with packed queries or other windows, one part.
+            with one query per sequence or neither causal nor windowed; with a few
+            causal queries (no left window, seqlen_q x query heads per K/V head at most
+            128), those before the first query's position rounded down to 16, the rest
+            running causally apart; otherwise one part.
         split_size: None, or the keys per part (the part count then follows from the
             cache size): a request's output is then independent of the rest of the batch.
         return_lse: also return the logsumexp, float32 (batch, nheads, seqlen_q) (packed
