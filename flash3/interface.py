@@ -241,35 +241,7 @@ if _C is not None:
             dsinks_like(q, sinks),
         )
 
-    def _options_of(inputs, first):
-        """(window_left, window_right, softcap, sinks) from an op's inputs, defaults filled."""
-        defaults = (-1, -1, 0.0, None)
-        given = tuple(inputs[first:first + 4])
-        return given + defaults[len(given):]
-
-    def _fwd_setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal = inputs[:5]
-        ctx.softmax_scale = softmax_scale
-        ctx.causal = causal
-        ctx.deterministic = inputs[5] if len(inputs) > 5 else False
-        ctx.window_left, ctx.window_right, ctx.softcap, sinks = _options_of(inputs, 6)
-        ctx.has_sinks = sinks is not None
-        ctx.sinks_grad = sinks is not None and sinks.requires_grad
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
-
-    def _fwd_backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        sinks = rest[0] if ctx.has_sinks else None
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv, dsinks = torch.ops.flash3.bwd(
-            grad_out, q, k, v, out, lse, grad_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
-            ctx.window_left, ctx.window_right, ctx.softcap, sinks,
-        )
-        return dq, dk, dv, None, None, None, None, None, None, dsinks if ctx.sinks_grad else None
-
-    torch.library.register_autograd("flash3::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    # The gradient of flash3::fwd is registered in C++ (csrc/autograd.cpp).
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,

@@ -119,42 +119,7 @@ if _C is not None:
             q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32),
         )
 
-    def _setup_context(ctx, inputs, output):
-        (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal) = inputs[:11]
-        ctx.deterministic = inputs[11] if len(inputs) > 11 else False
-        options = tuple(inputs[12:16]) + (-1, -1, 0.0, None)[len(inputs[12:16]):]
-        ctx.window_left, ctx.window_right, ctx.softcap, sinks = options
-        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
-        ctx.has_seqused = (seqused_q is not None, seqused_k is not None)
-        ctx.has_sinks = sinks is not None
-        ctx.sinks_grad = sinks is not None and sinks.requires_grad
-        ctx.num_inputs = len(inputs)
-        ctx.paged = len(inputs) > 16 and inputs[16] is not None
-        out, lse = output
-        saved = [q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]
-        saved += [t for t in (seqused_q, seqused_k, sinks) if t is not None]
-        ctx.save_for_backward(*saved)
-
-    def _backward(ctx, grad_out, grad_lse):
-        if ctx.paged:
-            raise NotImplementedError("flash3: no backward through a page_table (paged K/V is for inference)")
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rest = ctx.saved_tensors
-        seqused_q = rest.pop(0) if ctx.has_seqused[0] else None
-        seqused_k = rest.pop(0) if ctx.has_seqused[1] else None
-        sinks = rest.pop(0) if ctx.has_sinks else None
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv, dsinks = torch.ops.flash3.bwd_varlen(
-            grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.deterministic,
-            ctx.window_left, ctx.window_right, ctx.softcap, sinks,
-        )
-        grads = (dq, dk, dv) + (None,) * 12 + (dsinks if ctx.sinks_grad else None,)
-        return grads + (None,) * (ctx.num_inputs - len(grads))
-
-    torch.library.register_autograd("flash3::fwd_varlen", _backward, setup_context=_setup_context)
+    # The gradient of flash3::fwd_varlen is registered in C++ (csrc/autograd.cpp).
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
