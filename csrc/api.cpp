@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "api_common.h"
+#include "sum_kv_heads.h"
 #include "flash3/dispatch.h"
 #include "flash3/params.h"
 
@@ -160,7 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   auto dk = partial ? at::zeros_like(k, at::MemoryFormat::Contiguous) : at::empty_like(k, at::MemoryFormat::Contiguous);
   auto dv = partial ? at::zeros_like(v, at::MemoryFormat::Contiguous) : at::empty_like(v, at::MemoryFormat::Contiguous);
   // The sinks' gradient: float32 (nheads), or no elements without sinks.
-  auto dsinks = at::zeros({options.sinks.has_value() ? nheads : 0}, q.options().dtype(at::kFloat));
+  auto dsinks = options.sinks.has_value() ? at::zeros({nheads}, q.options().dtype(at::kFloat))
+                                          : at::empty({0}, q.options().dtype(at::kFloat));
   if (batch == 0 || nheads == 0 || seqlen_q == 0 || seqlen_k == 0 || rows_q == 0 || rows_k == 0) {
     dq.zero_();
     dk.zero_();
@@ -238,11 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
               ", headdim ", headdim, ", mask ", flash3::mask_name(mask), " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: backward kernel launch failed: ",
               cudaGetErrorString(launch_status));
-  if (gqa) {
-    int64_t const group = nheads / nheads_k;
-    dk.copy_(dk_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
-    dv.copy_(dv_heads.view({k.size(0), rows_k, nheads_k, group, headdim}).sum(3));
-  }
+  if (gqa) { flash3::api::sum_kv_heads(dk_heads, dv_heads, nheads / nheads_k, dk, dv); }
   if (options.sinks.has_value()) { dsinks = dsink_rows.sum(at::IntArrayRef{0, 2}); }
   return {dq, dk, dv, dsinks};
 }
