@@ -93,6 +93,7 @@ def cpu_kernels(monkeypatch):
     from test_flash_attn_interface import _reference_attention, _reference_varlen
 
     monkeypatch.setattr(fai, "_attention", _reference_attention)
+    monkeypatch.setattr(_integration(), "attention", _reference_attention)  # its dense call
     monkeypatch.setattr(flash3, "attention_varlen", _reference_varlen, raising=False)
 
 
@@ -177,6 +178,28 @@ def test_attention_forward_packed_sequences(cpu_kernels):
     out3, _ = attention_forward(_Attn(), q, k, v, None, position_ids=torch.arange(12)[None])
     torch.testing.assert_close(out3, attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    causal=True)[0])
+
+
+def test_packing_is_read_once_per_position_ids(cpu_kernels, monkeypatch):
+    """Every layer of a forward pass gets the same position_ids: their values are read
+    once; the same tensor changed in place, or another tensor, is read again."""
+    integration = _integration()
+    reads = []
+    find = integration._find_packed_sequences
+    monkeypatch.setattr(integration, "_find_packed_sequences", lambda *a: reads.append(1) or find(*a))
+    q, k, v = _bhsd(4, 1, 4, 2, 12, 12)
+    position_ids = torch.arange(12)[None]
+    dense = [integration.attention_forward(_Attn(), q, k, v, None, position_ids=position_ids)[0] for _ in range(3)]
+    assert len(reads) == 1
+    position_ids[0, 5:] = torch.arange(7)  # in place: now two sequences
+    packed, _ = integration.attention_forward(_Attn(), q, k, v, None, position_ids=position_ids)
+    assert len(reads) == 2
+    ref, _ = attention_ref(q[:, :, 5:].transpose(1, 2), k[:, :, 5:].transpose(1, 2), v[:, :, 5:].transpose(1, 2),
+                           causal=True)
+    torch.testing.assert_close(packed[:, 5:], ref)
+    torch.testing.assert_close(packed[:, :5], dense[0][:, :5])
+    integration.attention_forward(_Attn(), q, k, v, None, position_ids=torch.arange(12)[None])
+    assert len(reads) == 3
 
 
 @pytest.mark.parametrize("kwargs, pattern", [

@@ -64,10 +64,12 @@ backends. ``output_attentions`` is not available (None is returned for the weigh
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
 from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import SUPPORTED_HEADDIMS, attention
 
 NAME = "hopper_attention"
 
@@ -166,19 +168,33 @@ def _cu_seqlens(lengths):
     return torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
 
 
+# The last position_ids checked for packing and the answer: every layer of a forward pass
+# gets the same tensor, so its values are read (a host sync) once per pass, not per layer.
+_packing_checked = (None, None, None)
+
+
 def _packed_from_position_ids(position_ids, batch, q_len, k_len):
     """(cu_seqlens, max_seqlen) when batch 1 holds several sequences, each restarting its
     position_ids (as transformers' packed-sequence detection), else None."""
+    global _packing_checked
     if (position_ids is None or batch != 1 or q_len == 1 or q_len != k_len or position_ids.dim() != 2
             or position_ids.shape[-1] != q_len):
         return None
+    checked, version, packed = _packing_checked
+    if checked is not None and checked() is position_ids and version == position_ids._version:
+        return packed
+    packed = _find_packed_sequences(position_ids, q_len)
+    _packing_checked = (weakref.ref(position_ids), position_ids._version, packed)
+    return packed
+
+
+def _find_packed_sequences(position_ids, q_len):
     pos = position_ids[0]
-    starts = torch.ones(q_len, dtype=torch.bool, device=pos.device)
-    starts[1:] = pos[1:] != pos[:-1] + 1
-    if not bool(starts[1:].any()):
+    restarts = (pos[1:] - pos[:-1]) != 1  # token i + 1 starts a sequence
+    if not bool(restarts.any()):
         return None
-    begin = starts.nonzero().flatten()
-    cu = torch.cat([begin, begin.new_tensor([q_len])]).to(torch.int32)
+    begin = restarts.nonzero().flatten() + 1
+    cu = torch.cat([begin.new_tensor([0]), begin, begin.new_tensor([q_len])]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
@@ -193,7 +209,7 @@ def _varlen_from_mask(q, k, v, mask, **common):
         raise ValueError(f"flash3 transformers attention: the attention mask covers {mask.shape[1]} keys, "
                          f"the keys are {k.shape[1]}")
     if bool(mask.all()):
-        return flash_attn_func(q, k, v, **common)
+        return _dense(q, k, v, common)
     k_len = k.shape[1]
     lengths_k = mask.sum(dim=1, dtype=torch.int32)
     cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
@@ -286,4 +302,14 @@ def attention_forward(
         out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_len, max_len, **common)
         return out.unsqueeze(0), None
 
-    return flash_attn_func(q, k, v, **common), None
+    return _dense(q, k, v, common), None
+
+
+def _dense(q, k, v, common):
+    """The dense call: flash3.attention for the head dims it runs as they are (one Python
+    layer less per call), flash_attn_func for the others (it zero-pads them)."""
+    if q.shape[-1] not in SUPPORTED_HEADDIMS:
+        return flash_attn_func(q, k, v, **common)
+    options = dict(common)
+    sinks = options.pop("learnable_sink", None)
+    return attention(q, k, v, sinks=sinks, **options)
