@@ -6,7 +6,14 @@ FlashAttention-3 ("flash_attention_3", when transformers finds it), in one run.
 Model: random-initialised, bf16, hidden 2048, 16 query / 4 KV heads (head dim 128), 4
 layers, vocab 32000. A step is forward + cross-entropy loss + backward (no optimiser),
 timed with CUDA events around the step, median of --steps after warm-up; batch 1 at
---seqlens tokens (default 4096, 16384), causal. Prints a table and writes JSON.
+--seqlens tokens (default 4096, 16384), causal. One model per implementation (the same
+weights), the implementations in turn for --rounds rounds; the figure is the median over
+rounds. Eager PyTorch: at 4k tokens the host's time to issue the step's ~600 kernels is
+close to the GPU's time to run them, so the host CPU (printed) matters. Prints a table
+and writes JSON.
+
+transformers takes FlashAttention-3 when the `flash_attn_interface` module imports and
+belongs to an installed `flash-attn-3` distribution.
 
   python3 benchmarks/bench_model.py --out-dir benchmarks/results
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 from pathlib import Path
@@ -52,10 +60,21 @@ def step_ms(model, ids, steps, warmup=3):
     return statistics.median(times)
 
 
+def host_cpu():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out-dir", type=Path, default=SCRIPT_DIR / "results")
     ap.add_argument("--tag", default="h200-model-step")
     args = ap.parse_args(argv)
@@ -64,20 +83,27 @@ def main(argv=None):
 
     name = register()
     impls = ["sdpa", name, "flash_attention_3"]
+    cpu = host_cpu()
+    print(f"host CPU: {cpu}; GPU: {torch.cuda.get_device_name()}; transformers {transformers.__version__}")
     rows = []
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         ids = torch.randint(0, 32000, (1, seqlen), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         row = {"seqlen": seqlen}
-        for impl in impls:
+        models = {}
+        for impl in impls:  # the same weights (one seed) for each implementation
             try:
-                model = build_model(transformers, impl)
-                row[impl] = step_ms(model, ids, args.steps)
+                models[impl] = build_model(transformers, impl)
             except Exception as exc:  # noqa: BLE001 (an implementation transformers cannot load)
-                row[impl] = None
                 row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            finally:
-                model = None
-                torch.cuda.empty_cache()
+        times = {impl: [] for impl in models}
+        for _ in range(args.rounds):
+            for impl, model in models.items():
+                times[impl].append(step_ms(model, ids, args.steps))
+        for impl in impls:
+            row[impl] = statistics.median(times[impl]) if times.get(impl) else None
+            row[f"{impl}_rounds"] = times.get(impl, [])
+        models = None
+        torch.cuda.empty_cache()
         rows.append(row)
         cells = "  ".join(f"{impl} {row[impl]:.2f} ms" if row[impl] else f"{impl} -" for impl in impls)
         print(f"seqlen {seqlen}: {cells}", flush=True)
@@ -92,7 +118,7 @@ def main(argv=None):
     (args.out_dir / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
     (args.out_dir / f"{args.tag}.md").write_text(
         "# Training step of a Llama-style model (bf16, 4 layers, hidden 2048, 16/4 heads), ms (lower is better)\n\n"
-        + table + "\n")
+        f"Median over {args.rounds} rounds of {args.steps} steps; host CPU: {cpu}.\n\n" + table + "\n")
     return 0
 
 
