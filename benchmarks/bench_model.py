@@ -97,8 +97,13 @@ def main(argv=None):
                 row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         times = {impl: [] for impl in models}
         for _ in range(args.rounds):
-            for impl, model in models.items():
-                times[impl].append(step_ms(model, ids, args.steps))
+            for impl in models:
+                if f"{impl}_error" in row:
+                    continue
+                try:
+                    times[impl].append(step_ms(models[impl], ids, args.steps))
+                except Exception as exc:  # noqa: BLE001 (e.g. out of memory at a long sequence)
+                    row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         for impl in impls:
             row[impl] = statistics.median(times[impl]) if times.get(impl) else None
             row[f"{impl}_rounds"] = times.get(impl, [])

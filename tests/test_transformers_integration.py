@@ -200,6 +200,12 @@ def test_packing_is_read_once_per_position_ids(cpu_kernels, monkeypatch):
     torch.testing.assert_close(packed[:, :5], dense[0][:, :5])
     integration.attention_forward(_Attn(), q, k, v, None, position_ids=torch.arange(12)[None])
     assert len(reads) == 3
+    with torch.inference_mode():  # inference tensors have no version: read every time
+        position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        for _ in range(2):
+            out, _ = integration.attention_forward(_Attn(), q, k, v, None, position_ids=position_ids)
+            torch.testing.assert_close(out, packed)
+    assert len(reads) == 5
 
 
 @pytest.mark.parametrize("kwargs, pattern", [

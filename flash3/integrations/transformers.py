@@ -170,6 +170,9 @@ def _cu_seqlens(lengths):
 
 # The last position_ids checked for packing and the answer: every layer of a forward pass
 # gets the same tensor, so its values are read (a host sync) once per pass, not per layer.
+# An in-place change bumps the tensor's version and is read again (writes through
+# .data are not seen, as autograd does not see them). Tensors made under
+# torch.inference_mode() have no version: they are read every time.
 _packing_checked = (None, None, None)
 
 
@@ -180,6 +183,8 @@ def _packed_from_position_ids(position_ids, batch, q_len, k_len):
     if (position_ids is None or batch != 1 or q_len == 1 or q_len != k_len or position_ids.dim() != 2
             or position_ids.shape[-1] != q_len):
         return None
+    if position_ids.is_inference():
+        return _find_packed_sequences(position_ids, q_len)
     checked, version, packed = _packing_checked
     if checked is not None and checked() is position_ids and version == position_ids._version:
         return packed
