@@ -39,7 +39,8 @@ transpose, no copy; the kernels read those strides directly), with GQA/MQA K/V a
 are (no ``repeat_kv``), causal from ``is_causal`` or ``module.is_causal`` (bottom-right
 aligned, so decoding with a KV cache needs no offset):
 
-* no padding: :func:`flash3.flash_attn_interface.flash_attn_func` (dense kernels);
+* no padding: :func:`flash3.attention` (dense kernels; other head dims through
+  :func:`flash3.flash_attn_interface.flash_attn_func`, which zero-pads them);
 * a 2-D padding mask (from the registered mask function, which passes the model's
   ``attention_mask`` through when it holds padding, as transformers' FlashAttention mask
   does): the tokens are gathered into packed tensors with ``cu_seqlens`` and run by
