@@ -5,12 +5,13 @@ FlashAttention-3 ("flash_attention_3", when transformers finds it), in one run.
 
 Model: random-initialised, bf16, hidden 2048, 16 query / 4 KV heads (head dim 128), 4
 layers, vocab 32000. A step is forward + cross-entropy loss + backward (no optimiser),
-timed with CUDA events around the step, median of --steps after warm-up; batch 1 at
---seqlens tokens (default 4096, 16384), causal. One model per implementation (the same
-weights), the implementations in turn for --rounds rounds; the figure is the median over
-rounds. Eager PyTorch: at 4k tokens the host's time to issue the step's ~600 kernels is
-close to the GPU's time to run them, so the host CPU (printed) matters. Prints a table
-and writes JSON.
+timed with CUDA events from an idle GPU to the step's end; batch 1 at --seqlens tokens
+(default 4096, 16384), causal. One model per implementation (the same weights). The
+implementations take turns step by step (the order rotating), so that drift of the
+host's or the GPU's clocks touches each alike; a figure is the median over --steps steps,
+and the ratio to sdpa the median of the step-by-step ratios. Eager PyTorch: at 4k tokens
+the host's time to issue the step's ~600 kernels is close to the GPU's time to run them,
+so the host CPU (printed) matters. Prints a table and writes JSON.
 
 transformers takes FlashAttention-3 when the `flash_attn_interface` module imports and
 belongs to an installed `flash-attn-3` distribution.
@@ -40,24 +41,28 @@ def build_model(transformers, impl):
     return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
 
 
-def step_ms(model, ids, steps, warmup=3):
+def make_step(model, ids):
     def step():
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
+    return step
+
+
+def timed_ms(step):
     torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [round(q[0], 3), round(q[2], 3)]
 
 
 def host_cpu():
@@ -73,8 +78,8 @@ def host_cpu():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out-dir", type=Path, default=SCRIPT_DIR / "results")
     ap.add_argument("--tag", default="h200-model-step")
     args = ap.parse_args(argv)
@@ -95,18 +100,24 @@ def main(argv=None):
                 models[impl] = build_model(transformers, impl)
             except Exception as exc:  # noqa: BLE001 (an implementation transformers cannot load)
                 row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        times = {impl: [] for impl in models}
-        for _ in range(args.rounds):
-            for impl in models:
-                if f"{impl}_error" in row:
-                    continue
-                try:
-                    times[impl].append(step_ms(models[impl], ids, args.steps))
-                except Exception as exc:  # noqa: BLE001 (e.g. out of memory at a long sequence)
-                    row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        steps = {impl: make_step(model, ids) for impl, model in models.items()}
+        for impl in list(steps):
+            try:
+                for _ in range(args.warmup):
+                    steps[impl]()
+            except Exception as exc:  # noqa: BLE001 (e.g. out of memory at a long sequence)
+                row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                del steps[impl]
+        order = list(steps)
+        times = {impl: [] for impl in order}
+        for i in range(args.steps):
+            for impl in order[i % len(order):] + order[: i % len(order)]:
+                times[impl].append(timed_ms(steps[impl]))
         for impl in impls:
             row[impl] = statistics.median(times[impl]) if times.get(impl) else None
-            row[f"{impl}_rounds"] = times.get(impl, [])
+            row[f"{impl}_quartiles"] = quartiles(times[impl]) if times.get(impl) else None
+            if times.get(impl) and times.get("sdpa"):
+                row[f"{impl}_over_sdpa"] = statistics.median(a / b for a, b in zip(times[impl], times["sdpa"]))
         models = None
         torch.cuda.empty_cache()
         rows.append(row)
@@ -114,16 +125,18 @@ def main(argv=None):
         print(f"seqlen {seqlen}: {cells}", flush=True)
     lines = ["| tokens | " + " | ".join(impls) + f" | {name}/sdpa | {name}/FA3 |", "|---" * (len(impls) + 3) + "|"]
     for row in rows:
-        ratio = lambda a, b: f"{row[a] / row[b]:.3f}" if row.get(a) and row.get(b) else "-"  # noqa: E731
+        over = lambda a: f"{row[f'{a}_over_sdpa']:.3f}" if row.get(f"{a}_over_sdpa") else "-"  # noqa: E731
+        to_fa3 = f"{row[name] / row['flash_attention_3']:.3f}" if row.get(name) and row.get("flash_attention_3") else "-"
         lines.append(f"| {row['seqlen']} | " + " | ".join(f"{row[i]:.2f} ms" if row[i] else "-" for i in impls)
-                     + f" | {ratio(name, 'sdpa')} | {ratio(name, 'flash_attention_3')} |")
+                     + f" | {over(name)} | {to_fa3} |")
     table = "\n".join(lines)
     print(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
     (args.out_dir / f"{args.tag}.md").write_text(
         "# Training step of a Llama-style model (bf16, 4 layers, hidden 2048, 16/4 heads), ms (lower is better)\n\n"
-        f"Median over {args.rounds} rounds of {args.steps} steps; host CPU: {cpu}.\n\n" + table + "\n")
+        f"Median over {args.steps} steps per implementation, taken in turn; {name}/sdpa is the median of the "
+        f"step-by-step ratios. Host CPU: {cpu}.\n\n" + table + "\n")
     return 0
 
 
