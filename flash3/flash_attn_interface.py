@@ -43,7 +43,6 @@ Argument errors (types, shapes, devices, kernels left out of the build) are thos
 """
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 
@@ -53,6 +52,7 @@ import torch.nn.functional as F
 from . import fp8 as _fp8
 from .combine import combine as _combine
 from .interface import SUPPORTED_HEADDIMS, attention as _attention
+from .varlen import attention_varlen as _attention_varlen
 
 __all__ = [
     "flash_attn_func",
@@ -419,9 +419,6 @@ def flash_attn_varlen_func(
     _check_learnable_sink(fname, learnable_sink, q)
     if isinstance(q, torch.Tensor) and q.dtype == _E4M3:
         _not_implemented(fname, "q.dtype", q.dtype, "FP8 variable-length attention")
-    attention_varlen = getattr(importlib.import_module(__package__), "attention_varlen", None)
-    if attention_varlen is None:
-        raise NotImplementedError(f"{fname}: this flash3 has no attention_varlen (variable-length attention)")
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q)
     max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k)
     d = q.shape[-1] if _is_tensor(q, k, v) else None
@@ -432,7 +429,7 @@ def flash_attn_varlen_func(
         if k.shape[-1] == d and v.shape[-1] == d:
             dp = _padded_headdim(d, SUPPORTED_HEADDIMS)
             q, k, v = (_pad_last(t, dp) for t in (q, k, v))
-    out, lse = attention_varlen(
+    out, lse = _attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
         return_lse=True, deterministic=deterministic, **options,

@@ -296,8 +296,7 @@ def _page_rows(c, cache):
         return None
     page_rows = page_stride // row_stride
     total = (cache.shape[0] - 1) * page_rows + c.page_size
-    return cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
-                            cache.storage_offset()), page_rows
+    return cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1)), page_rows
 
 
 def _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=True):
@@ -333,8 +332,7 @@ def _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=True):
             batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
         per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
         total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
-        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1),
-                                       cache.storage_offset()), per_batch))
+        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1)), per_batch))
     if views[0][1] != views[1][1]:  # K and V batches apart by different row counts
         return _Rows(k_cache.contiguous().view(-1, c.nheads_k, c.headdim),
                      v_cache.contiguous().view(-1, c.nheads_k, c.headdim), c.capacity)

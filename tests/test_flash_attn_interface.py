@@ -204,14 +204,6 @@ def test_supported_arguments_reach_the_device_check(kwargs):
         flash_attn_func(q, k, v, **kwargs)
 
 
-def test_varlen_without_attention_varlen_says_so(monkeypatch):
-    monkeypatch.delattr(flash3, "attention_varlen", raising=False)
-    q, k, v = (t[0] for t in _qkv())
-    cu = torch.tensor([0, 17], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="no attention_varlen"):
-        flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 33], dtype=torch.int32), 17, 33)
-
-
 # ----------------------------------------------------------------------------------------
 # CPU: the wrapper's work, with the kernels replaced by the float64 reference
 # ----------------------------------------------------------------------------------------
@@ -252,7 +244,7 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     monkeypatch.setattr(fai, "_attention", _reference_attention)
-    monkeypatch.setattr(flash3, "attention_varlen", _reference_varlen, raising=False)
+    monkeypatch.setattr(fai, "_attention_varlen", _reference_varlen)
 
 
 @pytest.mark.parametrize("d", [64, 80, 112, 160, 40, 248])
