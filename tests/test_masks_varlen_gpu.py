@@ -32,15 +32,20 @@ def _skip_unless_built(dtype, d):
 
 
 
+@pytest.mark.parametrize("lengths", ["short", "long"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("d", HDIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_varlen_options(seed, dtype, d, opts):
+def test_varlen_options(seed, dtype, d, opts, lengths):
     if dtype == torch.float16 and d not in (64, 128):
         pytest.skip("fp16: head dims 64 and 128 (the kernels are bf16's templates)")
     _skip_unless_built(dtype, d)
     lens_q = [0, 5, 300, 1, 129, 777, 64]
     lens_k = [3, 0, 350, 1, 129, 700, 200]
+    if lengths == "long":
+        # A sequence past 2k tokens: at hdim 64 and 128 the general tile for the unbounded
+        # windows, the persistent short tile for the narrow ones (launch_fwd.h).
+        lens_q[2], lens_k[2] = 2300, 2150
     slack_q = [2, 0, 9, 0, 31, 0, 5]  # rows of the slot past seqused
     slack_k = [0, 4, 0, 2, 0, 13, 1]
     h, hk = 4, 2

@@ -30,15 +30,20 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
 }
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
-// both lengths (for packed batches, the longest sequence's) are short enough (traits.h),
-// the general one otherwise. The local mask runs on the general tile (the causal one).
+// both lengths (for packed batches, the longest sequence's) are short enough, or, for the
+// local mask, its window spans few enough keys (traits.h); the general one otherwise.
 template <class Element, int kHeadDim, class Mask>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  if constexpr (!Mask::kIsLocal && kHasShortSeqTile<kHeadDim, Mask::kIsCausal>) {
-    constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, Mask::kIsCausal>;
-    if (params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen) {
-      return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream);
+  constexpr bool kHasShortTile =
+      Mask::kIsLocal ? kHasLocalShortTile<kHeadDim> : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>;
+  if constexpr (kHasShortTile) {
+    constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
+    bool use_short = params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen;
+    if constexpr (Mask::kIsLocal) {
+      // Both sides are clamped to at most the keys (params.h), so the sum may pass 2^31.
+      use_short |= int64_t(params.window_left) + params.window_right + 1 <= kMaxSeqlen;
     }
+    if (use_short) { return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream); }
   }
   return launch_fwd_layout<Element, kHeadDim, Mask, false>(params, stream);
 }

@@ -80,6 +80,14 @@ template <int kHeadDim, bool kIsCausal>
 constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
+// The local mask (windows, softcap, sinks) also runs on the causal short tile at hdim 64
+// and 128 (launch_fwd.h): for short sequences, and for any sequence where the window spans
+// at most kShortSeqMaxSeqlen keys, since a query tile then walks no more key tiles than a
+// short causal tile does, and the persistent grid overlaps one tile's loads with the
+// previous tile's math. (hdim 256's short causal tile has no registers to spare for the
+// window.)
+template <int kHeadDim>
+constexpr bool kHasLocalShortTile = kHeadDim == 64 || kHeadDim == 128;
 
 template <int kHeadDim, bool kIsCausal, bool kShortSeq>
 struct TileConfig;

@@ -10,13 +10,15 @@ DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 HDIMS = [64, 96, 128, 192, 256]
 MASKS = {"nomask": "NoMask", "causal": "CausalMask"}
 # The 16-bit kernels also have a local mask (mask.h LocalMask: sliding windows, softcap,
-# sinks), on the general tile only: forward dense and packed, and backward.
+# sinks): forward dense and packed, and backward.
 MASKS_16BIT = {**MASKS, "local": "LocalMask"}
 # FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Kernels with a
 # key tile besides the default one (dispatch_fp8.cu picks by seqlen_k) get an n<N> suffix.
 # Per head dim, the masks whose forward has a second tile for short sequences (traits.h,
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_<mask>short.cu.
-SHORT_SEQ_TILES = {64: ["nomask", "causal"], 128: ["nomask", "causal"], 256: ["nomask", "causal"]}
+# The local mask has one at hdim 64 and 128 (traits.h kHasLocalShortTile): the causal short
+# tile, for short sequences and narrow windows.
+SHORT_SEQ_TILES = {64: ["nomask", "causal", "local"], 128: ["nomask", "causal", "local"], 256: ["nomask", "causal"]}
 FP8_HDIMS = [64, 128, 256]
 # hdim 128 causal: 192-key tiles from 2k keys (non-causal: a kShortSeq kernel, below).
 FP8_EXTRA_BLOCK_N = {128: {"causal": [192]}}
