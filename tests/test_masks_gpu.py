@@ -41,7 +41,7 @@ CASES = [
     # short tile.
     (2100, 2100, True, (-1, -1), 30.0, False),
     (2100, 2300, False, (1500, 600), 0.0, False),
-    (2500, 2600, True, (127, 0), 0.0, True),
+    (2500, 2600, True, (127, 0), 0.0, False),
 ]
 CASE_IDS = [f"{sq}x{sk}-{'c' if c else 'f'}-w{w[0]}_{w[1]}-sc{int(sc)}-{'sink' if s else 'nosink'}"
             for sq, sk, c, w, sc, s in CASES]
