@@ -84,8 +84,8 @@ constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 // and 128 (launch_fwd.h): for short sequences, and for any sequence where the window spans
 // at most kShortSeqMaxSeqlen keys, since a query tile then walks no more key tiles than a
 // short causal tile does, and the persistent grid overlaps one tile's loads with the
-// previous tile's math. (hdim 256's short causal tile has no registers to spare for the
-// window.)
+// previous tile's math. Not tried at hdim 256, whose short causal tile already runs
+// without pingpong to stay clear of spills (TileConfig<256> below).
 template <int kHeadDim>
 constexpr bool kHasLocalShortTile = kHeadDim == 64 || kHeadDim == 128;
 
