@@ -40,7 +40,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
     bool use_short = params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen;
     if constexpr (Mask::kIsLocal) {
-      // Both sides are clamped to at most the keys (params.h), so the sum may pass 2^31.
+      // Each side is at most the longest sequence (api.cpp clamps it); summed in 64 bits.
       use_short |= int64_t(params.window_left) + params.window_right + 1 <= kMaxSeqlen;
     }
     if (use_short) { return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream); }
