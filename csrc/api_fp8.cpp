@@ -9,7 +9,7 @@
 //   flash3::quantize_fp8(x, signs, block_rows) -> (x8, scale)
 //       x bf16 (batch, seqlen, nheads, headdim); signs float32 (headdim,) of +-1 or None;
 //       x8 float8_e4m3fn contiguous, scale float32 (batch, nheads, ceil(seqlen / block_rows)).
-//   flash3::fp8_kernels() -> int[]   the FP8 forward kernels built, as headdim * 2 + causal
+//   flash3::fp8_kernels() -> (int[] hdims, bool[] causal)   the FP8 forward kernels built
 //
 // flash3/fp8.py validates arguments first; these checks are the last line of defence.
 #include <ATen/ATen.h>
@@ -141,10 +141,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::option
   return {out, scale};
 }
 
-std::vector<int64_t> fp8_kernels() {
-  std::vector<int64_t> out;
-  for (auto const& k : flash3::built_kernels_fp8()) { out.push_back(int64_t(k.headdim) * 2 + (k.causal ? 1 : 0)); }
-  return out;
+// The FP8 forward kernels this build holds, as (head dims, causal) side by side.
+std::tuple<std::vector<int64_t>, c10::List<bool>> fp8_kernels() {
+  std::vector<int64_t> hdims;
+  c10::List<bool> causal;
+  for (auto const& k : flash3::built_kernels_fp8()) {
+    hdims.push_back(k.headdim);
+    causal.push_back(k.causal);
+  }
+  return {hdims, causal};
 }
 
 }  // namespace
@@ -154,7 +159,7 @@ TORCH_LIBRARY_FRAGMENT(flash3, m) {
       "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, float softmax_scale, "
       "bool causal) -> (Tensor out, Tensor lse)");
   m.def("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)");
-  m.def("fp8_kernels() -> int[]", &fp8_kernels);
+  m.def("fp8_kernels() -> (int[] hdims, bool[] causal)", &fp8_kernels);
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {

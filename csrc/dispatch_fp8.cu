@@ -17,7 +17,7 @@ struct NoMask;
 struct CausalMask;
 
 // Defined in launch_fwd_fp8.h, explicitly instantiated in csrc/instantiations/fwd_e4m3_*.cu.
-template <int kHeadDim, class Mask, int kBlockN, bool kShortSeq, int kWarpgroups>
+template <int kHeadDim, class Mask, int kBlockN, bool kPersistent, int kWarpgroups>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream);
 
 namespace {
@@ -29,10 +29,10 @@ constexpr bool fp8_built(int headdim) {
   return ((FLASH3_DTYPE_MASK >> 2) & 1) && ((FLASH3_HDIM_MASK >> bit) & 1);
 }
 
-template <int kHeadDim, class Mask, int kBlockN = 0, bool kShortSeq = false, int kWarpgroups = 0>
+template <int kHeadDim, class Mask, int kBlockN = 0, bool kPersistent = false, int kWarpgroups = 0>
 constexpr FwdFp8Launcher fwd_fp8() {
   if constexpr (fp8_built(kHeadDim)) {
-    return &run_fwd_fp8<kHeadDim, Mask, kBlockN, kShortSeq, kWarpgroups>;
+    return &run_fwd_fp8<kHeadDim, Mask, kBlockN, kPersistent, kWarpgroups>;
   } else {
     return nullptr;
   }
@@ -50,7 +50,8 @@ struct FwdFp8Entry {
 
 // clang-format off
 FwdFp8Entry const kFwdFp8Table[] = {
-  // The key tile is the kernel's third template argument (0: 128 keys, traits_fp8.h).
+  // Template arguments after the mask: the key tile (0: 128 keys), persistent (default:
+  // only the non-causal kernels up to hdim 128), consumer warpgroups (0: default); traits_fp8.h.
   //  hdim  causal  kernel                                  seqlen_k from   to
   {   64,  false, fwd_fp8< 64, NoMask>()},
   {   64,  true,  fwd_fp8< 64, CausalMask>()},
@@ -58,11 +59,11 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {  128,  true,  fwd_fp8<128, CausalMask>()},
   // hdim 128: 192-key tiles from 2k keys, +3..+12% there; 5-11% slower at 512-1k (H200
   // A/B; V's scale in the exponent makes tiles across scale blocks exact).
-  // Non-causal, the kShortSeq kernel below serves every length from 1152 keys.
+  // Non-causal, the 192-key kernel below serves every length from 1152 keys.
   {  128,  true,  fwd_fp8<128, CausalMask, 192>(),              2048},
   {  256,  false, fwd_fp8<256, NoMask>()},
   {  256,  true,  fwd_fp8<256, CausalMask>()},
-  // Kernels for short sequences (traits_fp8.h kShortSeq: persistent causal ones):
+  // Persistent causal kernels, for short sequences:
   {  128,  true,  fwd_fp8<128, CausalMask, 0, true>(),             0,  2047},
   // Up to 8192 keys: with the scales one per lane (traits_fp8.h kLaneScales) and the dealt
   // last rounds (scheduler_tail.h) it is +8.4% at 8192 against the general 192-key kernel
@@ -81,7 +82,7 @@ FwdFp8Entry const kFwdFp8Table[] = {
   // three passes each), which is no longer built. Against the 128-key kernel below 2k
   // keys (same A/B): -7.6 / -4.6% at 512 / 1024, +7.1 / +1.8 / -1.3 / +7.6 / +0.8% at
   // 1152 / 1280 / 1408 / 1536 / 1792 (most where 192 divides the length).
-  {  128,  false, fwd_fp8<128, NoMask, 192, true>(),            1152},
+  {  128,  false, fwd_fp8<128, NoMask, 192>(),                  1152},
   // hdim 256 non-causal up to 4k keys: the persistent kernel, whose next tile's Q and first
   // K/V load under the current tile (H200 A/B against one CTA per tile, bitwise-identical
   // outputs: +12.7 / +7.4 / +3.9 / +0.5% at 512 / 1k / 2k / 4k; -1.5 / -2.3% at 8k / 16k,

@@ -37,7 +37,7 @@ E4M3_MAX = 448.0
 Q_BLOCK = 64  # query rows per Q scale (csrc/flash3/params_fp8.h: kScaleBlockQ)
 K_BLOCK = 128  # keys per K and V scale (kScaleBlockK)
 SUPPORTED_HEADDIMS = (64, 128, 256)
-# P is computed as 2**P_OFFSET times its value before the cast to e4m3 (see fp8.h).
+# P is computed as 2**P_OFFSET times its value before the cast to e4m3 (see csrc/flash3/softmax_fp8.h).
 P_OFFSET = 8
 
 
@@ -48,7 +48,7 @@ _OPS = frozenset(
     name for name in ("fwd_fp8", "quantize_fp8", "fp8_kernels") if _C is not None and hasattr(torch.ops.flash3, name)
 )
 _BUILT = (
-    tuple((code // 2, bool(code % 2)) for code in torch.ops.flash3.fp8_kernels()) if "fp8_kernels" in _OPS else ()
+    tuple(zip(*torch.ops.flash3.fp8_kernels())) if "fp8_kernels" in _OPS else ()
 )
 
 
@@ -328,7 +328,7 @@ def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None 
     """float64 attention of the dequantised inputs, with P rounded to e4m3 as the kernel
     does: V's scale is folded into the exponent, ``P = exp(s - max_w) * v_scale * 2**8``
     with ``max_w`` the row max of ``s + log(v_scale)``, cast to e4m3 and multiplied by the
-    raw e4m3 V; the row sum adds the unrounded ``P / v_scale`` (csrc/flash3/fp8.h). The
+    raw e4m3 V; the row sum adds the unrounded ``P / v_scale`` (csrc/flash3/softmax_fp8.h). The
     row max is the whole row's, not the kernel's running one. Returns (b, sq, h, d)."""
     from .reference import causal_mask
 

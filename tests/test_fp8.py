@@ -155,7 +155,7 @@ def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
         lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, "
                    "float softmax_scale, bool causal) -> (Tensor out, Tensor lse)")
         lib.define("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)")
-        lib.define("fp8_kernels() -> int[]")
+        lib.define("fp8_kernels() -> (int[] hdims, bool[] causal)")
         monkeypatch.setattr(flash3.interface, "_C", object())
         src = open(fp8.__file__).read()
         cuda_checks = (("if not q8.is_cuda:", "if False:"), ("not per_tensor and q.is_cuda and", "not per_tensor and"))
@@ -173,7 +173,7 @@ def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
 
         lib.impl("fwd_fp8", fwd_fp8, "CPU")
         lib.impl("quantize_fp8", lambda x, signs, block_rows: module.quantize_ref(x, block_rows, signs), "CPU")
-        lib.impl("fp8_kernels", lambda: [256, 257], "CompositeExplicitAutograd")
+        lib.impl("fp8_kernels", lambda: ([128, 128], [False, True]), "CompositeExplicitAutograd")
         exec(compile(src, fp8.__file__, "exec"), module.__dict__)
         assert module._OPS == {"fwd_fp8", "quantize_fp8", "fp8_kernels"}
 
@@ -325,7 +325,7 @@ def test_fp8_kernel_gqa_and_varying_scales(request, seed, d, sk):
 @pytest.mark.parametrize("sk", [1300, 8300])
 def test_fp8_rows_with_negative_scores(seed, d, causal, sk):
     """Rows whose scores are all negative take the float row max instead of the integer
-    one (fp8.h update_row_maxes): heads of all-negative, half-negative and random-sign
+    one (softmax_fp8.h update_row_maxes): heads of all-negative, half-negative and random-sign
     scores, as in test_attention_gpu.py; 8300 keys reach the 192-key hdim 128 kernels."""
     _skip_unless_built(d, causal)
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -13,7 +13,6 @@
 
 #include "barriers.h"
 #include "epilogue_fwd.h"
-#include "fp8.h"
 #include "mainloop_fwd_fp8.h"
 #include "scheduler.h"
 #include "scheduler_tail.h"

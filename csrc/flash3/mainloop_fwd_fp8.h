@@ -12,10 +12,12 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "barriers.h"
-#include "fp8.h"
 #include "mask.h"
+#include "operand_p_fp8.h"
+#include "softmax_fp8.h"
 #include "tma.h"
 #include "traits_fp8.h"
+#include "transpose_v_fp8.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -39,11 +41,11 @@ struct MainloopFwdFp8 {
   using PipelineState = typename Traits::PipelineState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
 
-  using Loads = FwdLoadsTma<Traits>;  // tma.h; V is staged with K's layout, then transposed (fp8.h)
+  using Loads = FwdLoadsTma<Traits>;  // tma.h; V is staged with K's layout, then transposed (transpose_v_fp8.h)
 
   // Key tiles and K/V scale blocks: a tile within one block has one (K, V) scale pair;
   // otherwise it splits into groups of kScaleGroupKeys keys, each within one block (the
-  // softmax folds V's scale into the exponent, so any split costs no accuracy; fp8.h).
+  // softmax folds V's scale into the exponent, so any split costs no accuracy; softmax_fp8.h).
   static constexpr int kScaleGroupKeys = std::gcd(kBlockN, kScaleBlockK);
   static constexpr int kScaleGroups = kBlockN / kScaleGroupKeys;
   struct GroupScales {

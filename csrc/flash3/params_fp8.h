@@ -8,6 +8,10 @@
 
 namespace flash3 {
 
+// Block quantisation: one float scale per 64 query rows (kScaleBlockQ) and per 128 keys
+// (kScaleBlockK), per head; x = x8 * scale. The scales enter the kernel as strided
+// (batch, head, block) tensors, so a per-(batch, head) or per-tensor scale is the same
+// tensor with a zero block (and head) stride.
 constexpr int kScaleBlockQ = 64;   // query rows per Q scale: one consumer warpgroup's rows
 constexpr int kScaleBlockK = 128;  // keys per K and V scale: a multiple of every FP8 kBlockN
 

@@ -1,7 +1,7 @@
 // Tile shapes, shared-memory layouts and tiled MMAs of the FP8 (e4m3) forward kernel.
 // Output is bf16; both GEMMs are FP8 WGMMAs (QGMMA), whose operands must be K-major in
 // shared memory: Q and K are (head dim contiguous), V is not, so V lands in a raw buffer
-// and the producer warpgroup transposes it into V^T (fp8.h).
+// and the producer warpgroup transposes it into V^T (transpose_v_fp8.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,7 +10,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "fp8.h"
+#include "params_fp8.h"
+#include "transpose_v_fp8.h"
 
 namespace flash3 {
 
@@ -32,11 +33,11 @@ using namespace cute;
 // 64-key tiles once the V transpose became cheap. They need all 240 registers per
 // consumer thread (O 128, S 64, P 16), which leaves the producer 24, and spill a little
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
-// kShortSeq: the causal kernel for short sequences, persistent (scheduler.h: a snake over
-// the tiles; dispatch_fp8.cu runs it below a seqlen_k bound). Non-causal kernels are
-// persistent anyway at hdim <= 128; there kShortSeq only keeps the softmax after the PV
-// GEMM (kSoftmaxUnderPv), from 1152 keys at hdim 128. At hdim 256 the non-causal kernel
-// runs one CTA per tile, and kShortSeq makes it persistent, for up to 4k keys: the next
+// kPersistentOverride (false: the default grid, persistent for non-causal kernels at
+// hdim <= 128 and one CTA per tile otherwise; true: persistent). The persistent causal
+// kernels walk the tiles in a snake (scheduler.h); dispatch_fp8.cu runs them below a
+// seqlen_k bound. At hdim 256 the non-causal kernel runs one CTA per tile by default,
+// and the persistent one serves up to 4k keys: the next
 // tile's Q and first K/V then load under the current tile's last GEMMs and epilogue
 // (+4..+13% at 512-2k; its loop keeps 2 + 2 local-memory instructions, check_sass.py),
 // while from 8k keys the one-CTA-per-tile kernel measured 1.5-2.3% faster. Persistent causal kernels
@@ -44,13 +45,14 @@ using namespace cute;
 // unequal tiles loses to the hardware's dynamic assignment (H200 A/B).
 // kWarpgroupsOverride (0: default) gives a kernel another number of consumer warpgroups:
 // the hdim 64 short causal kernel for up to 1k keys has two (below).
-template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kShortSeq = false, int kWarpgroupsOverride = 0>
+template <int kHeadDim, bool kIsCausal, int kBlockNOverride = 0, bool kPersistentOverride = false,
+          int kWarpgroupsOverride = 0>
 struct TileConfigFp8 {
   // hdim 64: three consumer warpgroups (192-row tiles), as in the 16-bit hdim 64 kernel:
   // its GEMMs are the cheapest per softmax row, so a warpgroup's softmax needs two
   // others' GEMMs to hide behind. +7..+23% over two on the grid (H200 A/B),
   // except causal 512-1k (within 3%).
-  // The persistent short causal kernels at hdim 64 (kShortSeq) come with three and with
+  // The persistent causal kernels at hdim 64 come with three and with
   // two (128-row tiles): at 512 and 1k keys, 192-row tiles leave a third of the last
   // tile empty (512 = 2 x 192 + 128) and give the persistent CTAs fewer, unequal tiles to
   // share; H200 A/B (three passes each, bitwise-identical outputs),
@@ -62,7 +64,7 @@ struct TileConfigFp8 {
   // Three or four K/V stages measured within 1% of two on the whole grid (one H200 run):
   // the loads are not what the tile waits for.
   static constexpr int kStages = 2;
-  static constexpr bool kPersistent = (!kIsCausal && kHeadDim <= 128) || kShortSeq;
+  static constexpr bool kPersistent = (!kIsCausal && kHeadDim <= 128) || kPersistentOverride;
   // hdim 64 non-causal (the cheapest GEMMs, so the softmax's own latency is the tile):
   // no pingpong and the row max / sum split into four independent chains; together
   // +10..+14% on all six hdim 64 non-causal cells of the grid (H200 A/B).
@@ -73,14 +75,15 @@ struct TileConfigFp8 {
   static constexpr bool kSplitChains = kHeadDim == 64 && !kIsCausal;
 };
 
-template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kShortSeq = false, int kWarpgroupsOverride = 0>
+template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kPersistentOverride = false,
+          int kWarpgroupsOverride = 0>
 struct KernelTraitsFp8 {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
 
-  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kShortSeq, kWarpgroupsOverride>;
+  using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kPersistentOverride, kWarpgroupsOverride>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
@@ -97,18 +100,20 @@ struct KernelTraitsFp8 {
   // A/B against the softmax after that GEMM: hdim 128 +3..+6% at
   // 8k-16k keys (the 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k;
   // hdim 64 causal +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal.
-  // So: hdim 64 causal, and the hdim 128 kernels without kShortSeq (non-causal below 1152
-  // keys, causal above 8k; the kShortSeq ones, causal up to 8k and non-causal from 1152,
-  // keep the old order: with kLaneScales, below, they measured faster at 8k-32k too,
-  // dispatch_fp8.cu).
+  // So: hdim 64 causal, and at hdim 128 the non-causal 128-key kernel (below 1152 keys)
+  // and the causal kernels with one CTA per tile (above 8k); the persistent causal ones
+  // (up to 8k) and the non-causal 192-key one (from 1152 keys) keep the old order: with
+  // kLaneScales, below, they measured faster at 8k-32k too (dispatch_fp8.cu).
+  static constexpr bool kSoftmaxUnderPvAtHdim128 = kIsCausal_ ? !kPersistent : kBlockN == 128;
   static constexpr SoftmaxUnderPv kSoftmaxUnderPv =
-      (kHeadDim == 128 && !kShortSeq) || (kHeadDim == 64 && kIsCausal_) ? SoftmaxUnderPv::kHalf : SoftmaxUnderPv::kNone;
+      (kHeadDim == 128 && kSoftmaxUnderPvAtHdim128) || (kHeadDim == 64 && kIsCausal_) ? SoftmaxUnderPv::kHalf
+                                                                                       : SoftmaxUnderPv::kNone;
   static_assert(kBlockN % 32 == 0, "FP8 WGMMA K-blocks are 32 keys");
   // The max kept until a tile raises it by more than 2^0.75 and O's rescale skipped where
-  // no row of a warp changed its max (fp8.h). H200 A/B against the exact rescale every
+  // no row of a warp changed its max (softmax_fp8.h). H200 A/B against the exact rescale every
   // tile: +2..+4% in the hdim 128 kernels with 192-key tiles and the
   // softmax under the PV GEMM (non-causal from 8k keys, causal above 8k), 3-4% slower in
-  // the kShortSeq ones (2k-8k), the 128-key ones (-3% at 512) and at hdim 64 (-6%
+  // the persistent causal ones (2k-8k), the 128-key ones (-3% at 512) and at hdim 64 (-6%
   // non-causal, -2..0% causal); hdim 256 causal +1..+6%, non-causal -3..+1%, but one
   // test's worst element (GQA, key blocks scaled 0.01-100, 2300 keys, causal) then erred
   // 2.7x the emulation's worst (7.0 against 2.6; the bound is 2x), so hdim 256 keeps the
@@ -118,11 +123,11 @@ struct KernelTraitsFp8 {
   // keys) works out each group's scales on a lane of its own and shuffles them to the
   // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
   // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (three passes each,
-  // bitwise-identical outputs): the kShortSeq kernels (the
-  // softmax after the PV GEMM) +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
+  // bitwise-identical outputs): the kernels with the
+  // softmax after the PV GEMM +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
   // causal; those with the softmax under the PV GEMM -2.0..-2.6% (8k, 16k): off there.
   static constexpr bool kLaneScales = kSoftmaxUnderPv == SoftmaxUnderPv::kNone;
-  // The row max from the scores' bits (fp8.h, utils.h row_max_bits). H200 A/B against the
+  // The row max from the scores' bits (softmax_fp8.h, utils.h row_max_bits). H200 A/B against the
   // FMNMX chains (three passes each, bitwise-identical outputs): hdim 64 non-causal
   // +1..+11%, the hdim 128 192-key kernels +2..+7% from 4k keys (both masks); hdim 64
   // causal -2..+1%, the 128-key hdim 128 kernels -1..-3% at 512, hdim 256 non-causal -1%
@@ -133,7 +138,7 @@ struct KernelTraitsFp8 {
   // Register budget (setmaxnreg). The whole register file (64K) cannot be handed out: with
   // 32 + 2 * 240 (= 65536) the consumers' setmaxnreg.inc waited forever on the H200; the
   // 16-bit kernels' 24 + 2 * 240 = 64512 (barriers.h) works. The producer warpgroup's V
-  // transpose keeps two 16 x 32 blocks in flight (fp8.h), which needs 40 registers; the
+  // transpose keeps two 16 x 32 blocks in flight (transpose_v_fp8.h), which needs 40 registers; the
   // consumers then get 232 (O, S and P need <= 208 per thread up to hdim 128):
   // 40 * 128 + 232 * 256 = 64512. hdim 256 with 128-key tiles needs 240 per consumer, so
   // the producer gets 24 and transposes one block at a time. Three consumer warpgroups
@@ -142,7 +147,7 @@ struct KernelTraitsFp8 {
   // from a fresh read of %tid.x at each turn rather than from registers (barriers.h
   // PingpongTurns). kOneScaleOffset: one offset for K's and V's scales
   // (mainloop_fwd_fp8.h). With them, and the producer on one pipeline state and its
-  // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, fp8.h), the
+  // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, transpose_v_fp8.h), the
   // non-causal hdim 256 kernel holds all it needs in its registers (ptxas: no spills;
   // 22 local-memory instructions before) and the causal ones' 26 fall to 13 and 9.
   // Outputs bitwise identical; H200 A/B: hdim 256 +0.0..+1.8%.
@@ -151,7 +156,7 @@ struct KernelTraitsFp8 {
   static constexpr bool kPingpongIdsFromThreadIdx = kHeadDim == 256;
   static constexpr bool kOneScaleOffset = kHeadDim == 256;
   static constexpr bool kSmallConsumer = kHeadDim <= 128 || Config::kBlockN <= 96;
-  // The producer transposes V as well as loading (fp8.h TransposeV): 40 registers where
+  // The producer transposes V as well as loading (transpose_v_fp8.h TransposeV): 40 registers where
   // the consumers can spare them, and the shared budget rule (barriers.h) for the rest.
   using Registers = RegisterBudget<kConsumerWarpgroups, kSmallConsumer ? 40 : 24>;
   static constexpr int kProducerRegisters = Registers::kProducer;

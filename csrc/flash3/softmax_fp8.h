@@ -1,0 +1,236 @@
+// The FP8 forward's online softmax, with the Q, K and V block scales (params_fp8.h) folded
+// into the exponent.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+
+#include "params_fp8.h"
+#include "utils.h"
+
+namespace flash3 {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------
+// Online softmax with K and V scales per key block, V's folded into the exponent.
+//
+// S as computed is Q8 K8^T. A key tile splits into kGroups column groups, each within one
+// K/V scale block (one group when the tile lies in one block). In group g the factor
+// c_g = softmax_scale * log2(e) * q_scale * k_scale(g) turns raw scores into true scores
+// in the log2 domain, t = S * c_g. The running max is kept over the *V-weighted* scores
+// w = t + log2 v_scale(g), and
+//   P = 2^(w - max_w + kMaxOffset) = 2^(t - max_w + kMaxOffset) * v_scale(g)   (<= 256)
+// goes to the PV GEMM with the raw V8, so O = sum P V8 carries V's scale already, and
+// the row sum adds P / v_scale(g) (the true exponentials, same factor). out = O / sum:
+// V's scale never touches O, and a tile may span V scale blocks at no cost in accuracy:
+// the largest P V products of a row get e4m3's full range. (Scaling P of a group by
+// v_scale(g) / v_ref instead pushes small products into e4m3's subnormals: on the Table 3
+// inputs that costs 5% RMSE with 192-key tiles over 128-key scale blocks, emulated and
+// measured.) 2^kMaxOffset keeps small probabilities within e4m3's normal range; it
+// cancels in O / sum. Each exponent is one FFMA, exp2(S * c_g - (shift - log2 v_scale(g))).
+// ---------------------------------------------------------------------------------------
+// kSplitChains: the row max and the row sum each run as four independent chains instead
+// of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where;
+// with kIntRowMax the max is a tree instead).
+// kLazyRescale: as in softmax.h, with kRescaleThreshold below. kIntRowMax: as in softmax.h.
+template <int kRows, bool kSplitChains, bool kLazyRescale = false, bool kIntRowMax = false>
+struct OnlineSoftmaxFp8 {
+  static constexpr float kMaxOffset = 8.f;
+  // kLazyRescale: how far (log2) a tile may raise a row's max before O and the sum are
+  // rescaled. P is then at most 2^(kMaxOffset + 0.75) = 431, within e4m3's 448, and O's
+  // rescale is skipped in the tiles that raise no max by more (any_rescale).
+  static constexpr float kRescaleThreshold = 0.75f;
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // V-weighted, log2 domain; -inf: no key yet
+  Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
+
+  CUTLASS_DEVICE OnlineSoftmaxFp8() {
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.f);
+  }
+
+  // The subtrahend of the exponent: max - offset, with -inf (nothing visible) mapped to 0
+  // so that exp2(-inf - 0) = 0 rather than NaN.
+  CUTLASS_DEVICE float shift(int mi) const { return row_max(mi) == -INFINITY ? 0.f : row_max(mi) - kMaxOffset; }
+
+  // Column ni of the row-col view is key 8 (ni / 2) + 2 q + ni % 2 of the tile, so group g
+  // holds the columns [g, g + 1) * kCols / kGroups.
+  static constexpr int kChains = kSplitChains ? 4 : 1;
+
+  // This thread's part of row mi's tile max (V-weighted, log2 domain), by FMNMX: in
+  // kChains dependent chains (the kernels without kIntRowMax), or as a pairwise tree (the
+  // fallback of update_row_maxes).
+  template <bool kTree, int kGroups, class TensorS>
+  CUTLASS_DEVICE static float thread_tile_max(TensorS const& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
+                                              float const (&log2_v)[kGroups]) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    static_assert(kGroupCols * kGroups == decltype(size<1>(tSrS_rowcol))::value && kGroupCols % kChains == 0);
+    float tile_max = -INFINITY;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      float group_max;
+      if constexpr (kTree) {
+        group_max = row_max_float<kGroupCols>(tSrS_rowcol, mi, g * kGroupCols);
+      } else {
+        float part[kChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kChains; ++c) { part[c] = -INFINITY; }
+        CUTE_UNROLL
+        for (int ni = 0; ni < kGroupCols; ++ni) {
+          part[ni % kChains] = fmaxf(part[ni % kChains], tSrS_rowcol(mi, g * kGroupCols + ni));
+        }
+        group_max = part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kChains; ++c) { group_max = fmaxf(group_max, part[c]); }
+      }
+      tile_max = fmaxf(tile_max, fmaf(group_max, scale_log2[g], log2_v[g]));
+    }
+    return tile_max;
+  }
+
+  // The same from the integer max of the scores' bits (utils.h row_max_bits); exact is
+  // cleared where a group's part holds no score >= +0 (its result is then not its max).
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE static float thread_tile_max_int(TensorS const& tSrS_rowcol, int mi,
+                                                  float const (&scale_log2)[kGroups],
+                                                  float const (&log2_v)[kGroups], bool& exact) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    float tile_max = -INFINITY;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      int const bits = row_max_bits<kGroupCols>(tSrS_rowcol, mi, g * kGroupCols);
+      exact &= bits >= 0;
+      tile_max = fmaxf(tile_max, fmaf(__int_as_float(bits), scale_log2[g], log2_v[g]));
+    }
+    return tile_max;
+  }
+
+  // Row mi's running (V-weighted) max updated with the thread's part of the tile max;
+  // returns the factor by which its row of O must be rescaled.
+  template <bool kFirstTile>
+  CUTLASS_DEVICE float merge_row_max(float thread_max, int mi) {
+    float const tile_max = quad_allreduce(thread_max, MaxOp{});
+    float const prev_shift = kFirstTile ? 0.f : shift(mi);
+    bool const had_keys = !kFirstTile && row_max(mi) != -INFINITY;
+    // The max in use stays unless the tile raises it by more than kRescaleThreshold: a
+    // row with no visible key yet (-inf) takes any new max (+inf or NaN difference).
+    bool const keep = kLazyRescale && !kFirstTile && tile_max - row_max(mi) <= kRescaleThreshold;
+    row_max(mi) = keep ? row_max(mi) : fmaxf(row_max(mi), tile_max);
+    // No visible key so far: the accumulator and the sum are 0, any factor will do.
+    return had_keys && !keep ? exp2f(prev_shift - shift(mi)) : 1.f;
+  }
+
+  // Every row's running max updated with tile S; correction(mi) gets row mi's O rescale.
+  // The thread's parts come from the scores' integer max, and a warp where any part was
+  // not exact (all its scores negative: rare for real scores) takes FMNMX for all its
+  // rows, as do tiles under the mask (masked: warp-uniform); both give the same bits
+  // where both are exact.
+  template <bool kFirstTile, int kGroups, class TensorS, class TensorCorrection>
+  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, float const (&scale_log2)[kGroups],
+                                       float const (&log2_v)[kGroups], TensorCorrection& correction, bool masked) {
+    float thread_max[kRows];
+    if constexpr (kIntRowMax) {
+      bool exact = false;
+      if (!masked) {
+        exact = true;
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = thread_tile_max_int(tSrS_rowcol, mi, scale_log2, log2_v, exact);
+        }
+        exact = __all_sync(0xffffffffu, exact);
+      }
+      if (!exact) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scale_log2, log2_v);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        thread_max[mi] = thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v);
+      }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = merge_row_max<kFirstTile>(thread_max[mi], mi); }
+  }
+
+  // Whether any row of this warp's part of O has a factor other than 1 (a warp-uniform
+  // branch around the rescale); always where the rescale is not lazy.
+  template <class TensorCorrection>
+  CUTLASS_DEVICE static bool any_rescale(TensorCorrection const& correction) {
+    if constexpr (!kLazyRescale) { return true; }
+    bool any = false;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
+    return __any_sync(0xffffffffu, any);
+  }
+
+  // Row mi of S turned into P in place, and its sum (over P / v) added.
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
+                                       float const (&log2_v)[kGroups], float const (&inv_v)[kGroups],
+                                       float correction) {
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    float const cur_shift = shift(mi);
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      float const group_shift = cur_shift - log2_v[g];
+      float sums[kChains];
+      CUTE_UNROLL
+      for (int c = 0; c < kChains; ++c) { sums[c] = 0.f; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kGroupCols; ++ni) {
+        float const p = exp2f(tSrS_rowcol(mi, g * kGroupCols + ni) * scale_log2[g] - group_shift);
+        tSrS_rowcol(mi, g * kGroupCols + ni) = p;
+        sums[ni % kChains] += p;
+      }
+      float group_sum = sums[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) { group_sum += sums[c]; }
+      sum = fmaf(group_sum, inv_v[g], sum);
+    }
+    row_sum(mi) = row_sum(mi) * correction + sum;
+  }
+
+  // Both, row by row. Returns the O rescale per row.
+  template <bool kFirstTile, int kGroups, class TensorS>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float const (&scale_log2)[kGroups],
+                                    float const (&log2_v)[kGroups], float const (&inv_v)[kGroups], bool masked) {
+    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
+    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+    if constexpr (kIntRowMax) {
+      update_row_maxes<kFirstTile>(tSrS_rowcol, scale_log2, log2_v, correction, masked);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi)); }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        correction(mi) = merge_row_max<kFirstTile>(
+            thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v), mi);
+        exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi));
+      }
+    }
+    return correction;
+  }
+
+  // O / row sum (V's scale is inside both). Returns the natural-log logsumexp of the true
+  // scores (-inf for an empty row): log2 of it is max_w - kMaxOffset + log2(sum).
+  template <class TensorO>
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol) {
+    Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float const sum = quad_allreduce(row_sum(mi), SumOp{});
+      bool const empty = sum == 0.f || sum != sum;
+      float const factor = empty ? 0.f : 1.f / sum;
+      lse(mi) = empty ? -INFINITY : (row_max(mi) - kMaxOffset) * 0.693147180559945309f + __logf(sum);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= factor; }
+    }
+    return lse;
+  }
+};
+
+}  // namespace flash3
