@@ -5,7 +5,10 @@ Grid: batch*seqlen = 16384 tokens, hidden 2048 (nheads = 2048 // hdim), hdim in 
 causal in {False, True}, seqlen in {512 ... 16384}; bf16 by default.
 
 TFLOPs/s: forward FLOPs = 4*b*h*s*s*d (halved when causal); backward FLOPs = 2.5 x forward,
-over (time(fwd+bwd) - time(fwd)).  Time = median of `reps` CUDA-event timings after warm-up.
+over (time(fwd+bwd) - time(fwd)). Time per call = median of `reps` timings after warm-up:
+the headline figures replay CUDA graphs of the calls (kernels alone, no host launch cost,
+for every backend alike; --timing events for eager calls instead), and eager calls between
+CUDA events are timed beside them and reported in their own tables (labelled "eager").
 
 --fp8: FP8 forward instead (implies --fwd-only): flash3's FP8 kernel on pre-quantised
 inputs ("flash3 fp8"), the same end to end on bf16 inputs including the fused quantiser
@@ -172,7 +175,9 @@ def _gpu_pad():
 
 
 def time_fn(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of `reps` runs of fn(), each bracketed by CUDA events."""
+    """Median milliseconds of `reps` eager runs of fn(), each bracketed by CUDA events
+    (a GPU sleep queued ahead of each keeps the host's launch time out of the span, but
+    not the gaps between the kernels of one call)."""
     torch = _torch()
     for _ in range(warmup):
         fn()
@@ -187,6 +192,58 @@ def time_fn(fn, warmup: int, reps: int) -> float:
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return statistics.median(times)
+
+
+def time_graph(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one call of fn(), timed as `reps` replays of a CUDA graph of
+    several calls (as many as take about 2 ms, at most 10): the kernels alone, with no
+    host launch cost on any side. Raises if fn cannot be captured."""
+    torch = _torch()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 3)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    calls = max(1, min(10, int(2.0 / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
+    del graph
+    return statistics.median(times)
+
+
+def measure(fn, args, row: dict, key: str):
+    """row[key]: the headline time, CUDA-graph replays (--timing graph, the default) or
+    eager calls (--timing events); row[key + "_eager"]: the eager time, always. A backend
+    whose calls cannot be captured gets no headline time (key + "_graph_error" says why)."""
+    row[key + "_eager"] = time_fn(fn, args.warmup, args.reps)
+    if args.timing == "events":
+        row[key] = row[key + "_eager"]
+        return
+    try:
+        row[key] = time_graph(fn, args.warmup, args.reps)
+    except Exception as e:  # noqa: BLE001
+        check_cuda_alive()
+        row[key] = None
+        row[key + "_graph_error"] = _err(e)
 
 
 # ---- backends -----------------------------------------------------------------------
@@ -448,14 +505,14 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
         if fwd_ok:
             try:
                 out_sample = fn(q, k, v).detach()
-                row["fwd_ms"] = time_fn(lambda: fn(q, k, v), args.warmup, args.reps)
+                measure(lambda: fn(q, k, v), args, row, "fwd_ms")
             except Exception as e:  # noqa: BLE001
                 check_cuda_alive()
                 # Retry once as pure inference (some kernels may refuse inputs needing grad).
                 try:
                     with torch.no_grad():
                         out_sample = fn(q, k, v).detach()
-                        row["fwd_ms"] = time_fn(lambda: fn(q, k, v), args.warmup, args.reps)
+                        measure(lambda: fn(q, k, v), args, row, "fwd_ms")
                     row["fwd_mode"] = "no_grad"
                     row["fwd_grad_error"] = _err(e)
                     bwd_possible = False
@@ -484,14 +541,18 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
                 torch.autograd.grad(out, (q, k, v), grad)
             try:
                 fwd_bwd()
-                row["fwdbwd_ms"] = time_fn(fwd_bwd, args.warmup, args.reps)
-                row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
+                measure(fwd_bwd, args, row, "fwdbwd_ms")
+                for suffix in ("", "_eager"):
+                    both, fwd = row.get(f"fwdbwd_ms{suffix}"), row.get(f"fwd_ms{suffix}")
+                    row[f"bwd_ms{suffix}"] = both - fwd if both is not None and fwd is not None else None
             except Exception as e:  # noqa: BLE001  (NotImplementedError, RuntimeError, OOM, ...)
                 check_cuda_alive()
                 row["bwd_error"] = _err(e)
 
-    row["fwd_tflops"] = tflops_per_s(flops(batch, nheads, seqlen, hdim, causal, "fwd"), row["fwd_ms"])
-    row["bwd_tflops"] = tflops_per_s(flops(batch, nheads, seqlen, hdim, causal, "bwd"), row["bwd_ms"])
+    for kind in ("fwd", "bwd"):
+        nflops = flops(batch, nheads, seqlen, hdim, causal, kind)
+        row[f"{kind}_tflops"] = tflops_per_s(nflops, row.get(f"{kind}_ms"))
+        row[f"{kind}_eager_tflops"] = tflops_per_s(nflops, row.get(f"{kind}_ms_eager"))
     return row, out_sample
 
 
@@ -575,8 +636,13 @@ def _impls_with_data(rows, kind):
 
 
 def _kinds(data):
+    """The tables to write: forward and backward at the headline timing, then, where the
+    run recorded them beside it, the same at eager timing."""
     kinds = data.get("kinds") or ["fwd", "bwd"]
-    return [k for k in ("fwd", "bwd") if k in kinds]
+    out = [k for k in ("fwd", "bwd") if k in kinds]
+    if data.get("args", {}).get("timing", "events") == "graph":
+        out += [f"{k}_eager" for k in out if any(r.get(f"{k}_eager_tflops") is not None for r in data["rows"])]
+    return out
 
 
 def load_anchor(path: str | None, impls: list[str]) -> dict | None:
@@ -686,9 +752,11 @@ def write_markdown(path: Path, data: dict, anchor: dict | None = None):
                      ("available" + (f", version {fa3['version']}" if fa3.get("version") else "")
                       if fa3.get("available") else f"not available ({fa3.get('import_error')})"))
     a = data.get("args", {})
+    timing = ("CUDA-graph replays (the kernels alone; eager calls in the last tables)"
+              if a.get("timing", "events") == "graph" else "eager calls, each between CUDA events")
     lines.append(f"- dtype {data.get('dtype', a.get('dtype', 'bf16'))}, batch*seqlen = {TOTAL_TOKENS}, "
-                 f"hidden {HIDDEN}, median of {a.get('reps', '?')} CUDA-event timings after "
-                 f"{a.get('warmup', '?')} warm-up runs")
+                 f"hidden {HIDDEN}, median of {a.get('reps', '?')} timings after "
+                 f"{a.get('warmup', '?')} warm-up runs: {timing}")
     lines.append("- TFLOPs/s: fwd = 4*b*h*s*s*d / t_fwd (halved when causal); "
                  "bwd = 2.5 x fwd FLOPs / (t_fwd+bwd - t_fwd). Labels: cuDNN = torch SDPA cuDNN backend, "
                  "FA2 = torch SDPA flash backend, FA3 = flash_attn_interface.")
@@ -703,7 +771,8 @@ def write_markdown(path: Path, data: dict, anchor: dict | None = None):
                      + (f", bf16 GEMM {_fmt(ac.get('gemm_bf16_tflops'))} TFLOPs/s, copy "
                         f"{_fmt(ac.get('copy_TBps'), 2)} TB/s" if ac else "")
                      + "). Run-to-run spread is ~10%: prefer same-run ratios.")
-    titles = {"fwd": "Forward TFLOPs/s", "bwd": "Backward TFLOPs/s"}
+    titles = {"fwd": "Forward TFLOPs/s", "bwd": "Backward TFLOPs/s",
+              "fwd_eager": "Forward TFLOPs/s, eager calls", "bwd_eager": "Backward TFLOPs/s, eager calls"}
     for kind in _kinds(data):
         lines += ["", f"## {titles[kind]}", ""]
         lines += markdown_table(data, kind, anchor)
@@ -716,9 +785,11 @@ def write_markdown(path: Path, data: dict, anchor: dict | None = None):
 
 def _error_summary(rows, limit=40) -> list[str]:
     seen = {}
+    keys = {"fwd": "fwd_error", "bwd": "bwd_error", "fwd graph capture": "fwd_ms_graph_error",
+            "fwd+bwd graph capture": "fwdbwd_ms_graph_error"}
     for r in rows:
-        for kind in ("fwd", "bwd"):
-            e = r.get(f"{kind}_error")
+        for kind, key in keys.items():
+            e = r.get(key)
             if e:
                 seen.setdefault((r["impl"], kind, e), []).append(
                     f"{r['hdim']}/{'c' if r['causal'] else 'nc'}/{r['seqlen']}")
@@ -809,6 +880,8 @@ def write_outputs(data: dict, out_dir: Path, tag: str, anchor: dict | None, writ
     write_markdown(out_dir / f"{tag}.md", data, anchor)
     files.append(out_dir / f"{tag}.md")
     for kind in _kinds(data):
+        if kind.endswith("_eager"):
+            continue  # figures of the headline timing only
         p = out_dir / f"{tag}_{kind}.png"
         if plot(p, data, kind, anchor):
             files.append(p)
@@ -835,6 +908,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8", action="store_true",
                    help="benchmark the FP8 forward (backends " + ",".join(FP8_BACKENDS) + "; implies --fwd-only)")
     p.add_argument("--reps", type=int, default=30, help="timed runs per measurement (median)")
+    p.add_argument("--timing", choices=["graph", "events"], default="graph",
+                   help="headline timing: CUDA-graph replays (default; eager calls are timed beside) "
+                        "or eager calls between CUDA events")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before each measurement")
     p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
                    help="measure bf16 GEMM 8192^3 and device copy bandwidth first (default on)")
