@@ -196,38 +196,13 @@ def time_fn(fn, warmup: int, reps: int) -> float:
 
 def time_graph(fn, warmup: int, reps: int) -> float:
     """Median milliseconds of one call of fn(), timed as `reps` replays of a CUDA graph of
-    several calls (as many as take about 2 ms, at most 10): the kernels alone, with no
-    host launch cost on any side. Raises if fn cannot be captured."""
-    torch = _torch()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 3)):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    calls = max(1, min(10, int(2.0 / max(start.elapsed_time(end), 1e-3))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
-    del graph
-    return statistics.median(times)
+    several calls (bench_varlen.graph_ms: as many as take about 2 ms, at most 10): the
+    kernels alone, with no host launch cost on any side. Raises if fn cannot be captured."""
+    from bench_varlen import graph_ms  # noqa: WPS433  (torch at import; not for --replot)
+
+    for _ in range(warmup):
+        fn()
+    return graph_ms(fn, replays=reps)
 
 
 def measure(fn, args, row: dict, key: str):
