@@ -194,14 +194,13 @@ def time_fn(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, warmup: int, reps: int) -> float:
+def time_graph(fn, reps: int) -> float:
     """Median milliseconds of one call of fn(), timed as `reps` replays of a CUDA graph of
-    several calls (bench_varlen.graph_ms: as many as take about 2 ms, at most 10): the
-    kernels alone, with no host launch cost on any side. Raises if fn cannot be captured."""
+    several calls (bench_varlen.graph_ms, which warms up itself: as many calls as take
+    about 2 ms, at most 10): the kernels alone, with no host launch cost on any side.
+    Raises if fn cannot be captured."""
     from bench_varlen import graph_ms  # noqa: WPS433  (torch at import; not for --replot)
 
-    for _ in range(warmup):
-        fn()
     return graph_ms(fn, replays=reps)
 
 
@@ -214,7 +213,7 @@ def measure(fn, args, row: dict, key: str):
         row[key] = row[key + "_eager"]
         return
     try:
-        row[key] = time_graph(fn, args.warmup, args.reps)
+        row[key] = time_graph(fn, args.reps)  # right after the eager calls: already warm
     except Exception as e:  # noqa: BLE001
         check_cuda_alive()
         row[key] = None
