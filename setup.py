@@ -1,7 +1,8 @@
 """Builds flash3._C, the Hopper attention kernels, with PyTorch's CUDAExtension and ninja.
 
 Environment variables:
-  FLASH3_HDIMS     comma list of head dims to compile (default: 64,96,128,192,256)
+  FLASH3_HDIMS     comma list of head dims to compile (default: 64,96,128,192,256,192v128);
+                   192v128 is head dim 192 for Q and K with 128 for V
   FLASH3_DTYPES    comma list of dtypes to compile (default: bf16,fp16,e4m3); e4m3 is the
                    FP8 forward (head dims 64, 128, 256) and the fused quantiser
   FLASH3_KINDS     comma list of passes to compile: fwd, bwd (default: both)
@@ -19,7 +20,8 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-ALL_HDIMS = [64, 96, 128, 192, 256]
+# In the order of dispatch.cu's kHeadDims (bit i of FLASH3_HDIM_MASK).
+ALL_HDIMS = ["64", "96", "128", "192", "256", "192v128"]
 ALL_DTYPES = ["bf16", "fp16", "e4m3"]
 ALL_KINDS = ["fwd", "bwd"]
 
@@ -70,7 +72,7 @@ def extension():
     _set_cuda_home()
     from torch.utils.cpp_extension import CUDAExtension
 
-    hdims = _env_list("FLASH3_HDIMS", ALL_HDIMS, int)
+    hdims = _env_list("FLASH3_HDIMS", ALL_HDIMS)
     dtypes = _env_list("FLASH3_DTYPES", ALL_DTYPES)
     kinds = _env_list("FLASH3_KINDS", ALL_KINDS)
     hdim_mask = sum(1 << ALL_HDIMS.index(h) for h in hdims)
@@ -79,7 +81,7 @@ def extension():
 
     def wanted(path):
         kind, dtype, hdim, _mask = path.stem.split("_")
-        return kind in kinds and dtype in dtypes and int(hdim[len("hdim"):]) in hdims
+        return kind in kinds and dtype in dtypes and hdim[len("hdim"):] in hdims
 
     kernels = sorted(
         f"csrc/instantiations/{p.name}"

@@ -406,6 +406,7 @@ pybind11::dict build_info() {
     entry["kind"] = kernel.kind;
     entry["dtype"] = flash3::dtype_name(kernel.dtype);
     entry["hdim"] = kernel.headdim;
+    entry["hdim_v"] = kernel.headdim_v;
     entry["mask"] = flash3::mask_name(kernel.mask);
     entry["causal"] = kernel.mask == flash3::MaskKind::kCausal;
     kernels.append(entry);

@@ -147,6 +147,7 @@ inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor c
   params.nheads = static_cast<int>(q.size(2));
   params.nheads_k = static_cast<int>(k.size(2));
   params.headdim = static_cast<int>(q.size(3));
+  params.headdim_v = static_cast<int>(v.size(3));
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.num_sms = device.num_sms;

@@ -7,7 +7,7 @@
 #include "flash3/dispatch.h"
 
 #ifndef FLASH3_HDIM_MASK
-#define FLASH3_HDIM_MASK 0x1f  // bit i: head dim kHeadDims[i]
+#define FLASH3_HDIM_MASK 0x3f  // bit i: head dims kHeadDims[i]
 #endif
 #ifndef FLASH3_DTYPE_MASK
 #define FLASH3_DTYPE_MASK 0x3  // bit 0: bf16, bit 1: fp16
@@ -24,18 +24,22 @@ struct LocalMask;
 
 // Defined in launch_fwd.h / launch_bwd.h, explicitly instantiated one per file in
 // csrc/instantiations/.
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
 namespace {
 
-constexpr int kHeadDims[] = {64, 96, 128, 192, 256};
+// (head dim of Q and K, head dim of V), in setup.py's order (ALL_HDIMS).
+struct HeadDims {
+  int qk, v;
+};
+constexpr HeadDims kHeadDims[] = {{64, 64}, {96, 96}, {128, 128}, {192, 192}, {256, 256}, {192, 128}};
 
-constexpr bool hdim_built(int headdim) {
-  for (int i = 0; i < 5; ++i) {
-    if (kHeadDims[i] == headdim) { return (FLASH3_HDIM_MASK >> i) & 1; }
+constexpr bool hdim_built(int headdim, int headdim_v) {
+  for (int i = 0; i < int(sizeof(kHeadDims) / sizeof(kHeadDims[0])); ++i) {
+    if (kHeadDims[i].qk == headdim && kHeadDims[i].v == headdim_v) { return (FLASH3_HDIM_MASK >> i) & 1; }
   }
   return false;
 }
@@ -53,23 +57,24 @@ template <class Params>
 struct Entry {
   DType dtype;
   int headdim;
+  int headdim_v;
   MaskKind mask;
   Launcher<Params> launch;
 };
 
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, int kHeadDimV, class Mask>
 constexpr Launcher<FwdParams> fwd() {
-  if constexpr ((FLASH3_KIND_MASK & 1) && dtype_built<Element>() && hdim_built(kHeadDim)) {
-    return &run_fwd<Element, kHeadDim, Mask>;
+  if constexpr ((FLASH3_KIND_MASK & 1) && dtype_built<Element>() && hdim_built(kHeadDim, kHeadDimV)) {
+    return &run_fwd<Element, kHeadDim, Mask, kHeadDimV>;
   } else {
     return nullptr;
   }
 }
 
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, int kHeadDimV, class Mask>
 constexpr Launcher<BwdParams> bwd() {
-  if constexpr ((FLASH3_KIND_MASK & 2) && dtype_built<Element>() && hdim_built(kHeadDim)) {
-    return &run_bwd<Element, kHeadDim, Mask>;
+  if constexpr ((FLASH3_KIND_MASK & 2) && dtype_built<Element>() && hdim_built(kHeadDim, kHeadDimV)) {
+    return &run_bwd<Element, kHeadDim, Mask, kHeadDimV>;
   } else {
     return nullptr;
   }
@@ -78,53 +83,59 @@ constexpr Launcher<BwdParams> bwd() {
 using bf16 = cutlass::bfloat16_t;
 using fp16 = cutlass::half_t;
 
-// Every (dtype, head dim, mask) of one pass, in one list.
-template <class Params, template <class, int, class> class Make>
+// Every (dtype, head dims, mask) of one pass, in one list.
+template <class Params, template <class, int, int, class> class Make>
 struct Table {
-  static constexpr Entry<Params> kEntries[30] = {
+  static constexpr Entry<Params> kEntries[36] = {
     // clang-format off
-    //  dtype      hdim  mask              kernel
-    {DType::kBF16,   64, MaskKind::kNone,   Make<bf16,  64, NoMask>::value},
-    {DType::kBF16,   64, MaskKind::kCausal, Make<bf16,  64, CausalMask>::value},
-    {DType::kBF16,   64, MaskKind::kLocal,  Make<bf16,  64, LocalMask>::value},
-    {DType::kBF16,   96, MaskKind::kNone,   Make<bf16,  96, NoMask>::value},
-    {DType::kBF16,   96, MaskKind::kCausal, Make<bf16,  96, CausalMask>::value},
-    {DType::kBF16,   96, MaskKind::kLocal,  Make<bf16,  96, LocalMask>::value},
-    {DType::kBF16,  128, MaskKind::kNone,   Make<bf16, 128, NoMask>::value},
-    {DType::kBF16,  128, MaskKind::kCausal, Make<bf16, 128, CausalMask>::value},
-    {DType::kBF16,  128, MaskKind::kLocal,  Make<bf16, 128, LocalMask>::value},
-    {DType::kBF16,  192, MaskKind::kNone,   Make<bf16, 192, NoMask>::value},
-    {DType::kBF16,  192, MaskKind::kCausal, Make<bf16, 192, CausalMask>::value},
-    {DType::kBF16,  192, MaskKind::kLocal,  Make<bf16, 192, LocalMask>::value},
-    {DType::kBF16,  256, MaskKind::kNone,   Make<bf16, 256, NoMask>::value},
-    {DType::kBF16,  256, MaskKind::kCausal, Make<bf16, 256, CausalMask>::value},
-    {DType::kBF16,  256, MaskKind::kLocal,  Make<bf16, 256, LocalMask>::value},
-    {DType::kFP16,   64, MaskKind::kNone,   Make<fp16,  64, NoMask>::value},
-    {DType::kFP16,   64, MaskKind::kCausal, Make<fp16,  64, CausalMask>::value},
-    {DType::kFP16,   64, MaskKind::kLocal,  Make<fp16,  64, LocalMask>::value},
-    {DType::kFP16,   96, MaskKind::kNone,   Make<fp16,  96, NoMask>::value},
-    {DType::kFP16,   96, MaskKind::kCausal, Make<fp16,  96, CausalMask>::value},
-    {DType::kFP16,   96, MaskKind::kLocal,  Make<fp16,  96, LocalMask>::value},
-    {DType::kFP16,  128, MaskKind::kNone,   Make<fp16, 128, NoMask>::value},
-    {DType::kFP16,  128, MaskKind::kCausal, Make<fp16, 128, CausalMask>::value},
-    {DType::kFP16,  128, MaskKind::kLocal,  Make<fp16, 128, LocalMask>::value},
-    {DType::kFP16,  192, MaskKind::kNone,   Make<fp16, 192, NoMask>::value},
-    {DType::kFP16,  192, MaskKind::kCausal, Make<fp16, 192, CausalMask>::value},
-    {DType::kFP16,  192, MaskKind::kLocal,  Make<fp16, 192, LocalMask>::value},
-    {DType::kFP16,  256, MaskKind::kNone,   Make<fp16, 256, NoMask>::value},
-    {DType::kFP16,  256, MaskKind::kCausal, Make<fp16, 256, CausalMask>::value},
-    {DType::kFP16,  256, MaskKind::kLocal,  Make<fp16, 256, LocalMask>::value},
+    //  dtype    hdim hdim_v  mask              kernel
+    {DType::kBF16,   64,  64, MaskKind::kNone,   Make<bf16,  64,  64, NoMask>::value},
+    {DType::kBF16,   64,  64, MaskKind::kCausal, Make<bf16,  64,  64, CausalMask>::value},
+    {DType::kBF16,   64,  64, MaskKind::kLocal,  Make<bf16,  64,  64, LocalMask>::value},
+    {DType::kBF16,   96,  96, MaskKind::kNone,   Make<bf16,  96,  96, NoMask>::value},
+    {DType::kBF16,   96,  96, MaskKind::kCausal, Make<bf16,  96,  96, CausalMask>::value},
+    {DType::kBF16,   96,  96, MaskKind::kLocal,  Make<bf16,  96,  96, LocalMask>::value},
+    {DType::kBF16,  128, 128, MaskKind::kNone,   Make<bf16, 128, 128, NoMask>::value},
+    {DType::kBF16,  128, 128, MaskKind::kCausal, Make<bf16, 128, 128, CausalMask>::value},
+    {DType::kBF16,  128, 128, MaskKind::kLocal,  Make<bf16, 128, 128, LocalMask>::value},
+    {DType::kBF16,  192, 192, MaskKind::kNone,   Make<bf16, 192, 192, NoMask>::value},
+    {DType::kBF16,  192, 192, MaskKind::kCausal, Make<bf16, 192, 192, CausalMask>::value},
+    {DType::kBF16,  192, 192, MaskKind::kLocal,  Make<bf16, 192, 192, LocalMask>::value},
+    {DType::kBF16,  256, 256, MaskKind::kNone,   Make<bf16, 256, 256, NoMask>::value},
+    {DType::kBF16,  256, 256, MaskKind::kCausal, Make<bf16, 256, 256, CausalMask>::value},
+    {DType::kBF16,  256, 256, MaskKind::kLocal,  Make<bf16, 256, 256, LocalMask>::value},
+    {DType::kBF16,  192, 128, MaskKind::kNone,   Make<bf16, 192, 128, NoMask>::value},
+    {DType::kBF16,  192, 128, MaskKind::kCausal, Make<bf16, 192, 128, CausalMask>::value},
+    {DType::kBF16,  192, 128, MaskKind::kLocal,  Make<bf16, 192, 128, LocalMask>::value},
+    {DType::kFP16,   64,  64, MaskKind::kNone,   Make<fp16,  64,  64, NoMask>::value},
+    {DType::kFP16,   64,  64, MaskKind::kCausal, Make<fp16,  64,  64, CausalMask>::value},
+    {DType::kFP16,   64,  64, MaskKind::kLocal,  Make<fp16,  64,  64, LocalMask>::value},
+    {DType::kFP16,   96,  96, MaskKind::kNone,   Make<fp16,  96,  96, NoMask>::value},
+    {DType::kFP16,   96,  96, MaskKind::kCausal, Make<fp16,  96,  96, CausalMask>::value},
+    {DType::kFP16,   96,  96, MaskKind::kLocal,  Make<fp16,  96,  96, LocalMask>::value},
+    {DType::kFP16,  128, 128, MaskKind::kNone,   Make<fp16, 128, 128, NoMask>::value},
+    {DType::kFP16,  128, 128, MaskKind::kCausal, Make<fp16, 128, 128, CausalMask>::value},
+    {DType::kFP16,  128, 128, MaskKind::kLocal,  Make<fp16, 128, 128, LocalMask>::value},
+    {DType::kFP16,  192, 192, MaskKind::kNone,   Make<fp16, 192, 192, NoMask>::value},
+    {DType::kFP16,  192, 192, MaskKind::kCausal, Make<fp16, 192, 192, CausalMask>::value},
+    {DType::kFP16,  192, 192, MaskKind::kLocal,  Make<fp16, 192, 192, LocalMask>::value},
+    {DType::kFP16,  256, 256, MaskKind::kNone,   Make<fp16, 256, 256, NoMask>::value},
+    {DType::kFP16,  256, 256, MaskKind::kCausal, Make<fp16, 256, 256, CausalMask>::value},
+    {DType::kFP16,  256, 256, MaskKind::kLocal,  Make<fp16, 256, 256, LocalMask>::value},
+    {DType::kFP16,  192, 128, MaskKind::kNone,   Make<fp16, 192, 128, NoMask>::value},
+    {DType::kFP16,  192, 128, MaskKind::kCausal, Make<fp16, 192, 128, CausalMask>::value},
+    {DType::kFP16,  192, 128, MaskKind::kLocal,  Make<fp16, 192, 128, LocalMask>::value},
     // clang-format on
   };
 };
 
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, int kHeadDimV, class Mask>
 struct MakeFwd {
-  static constexpr Launcher<FwdParams> value = fwd<Element, kHeadDim, Mask>();
+  static constexpr Launcher<FwdParams> value = fwd<Element, kHeadDim, kHeadDimV, Mask>();
 };
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, int kHeadDimV, class Mask>
 struct MakeBwd {
-  static constexpr Launcher<BwdParams> value = bwd<Element, kHeadDim, Mask>();
+  static constexpr Launcher<BwdParams> value = bwd<Element, kHeadDim, kHeadDimV, Mask>();
 };
 
 using FwdTable = Table<FwdParams, MakeFwd>;
@@ -134,7 +145,8 @@ template <class Params, size_t N>
 bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, MaskKind mask, Params const& params,
               cudaStream_t stream, cudaError_t* err) {
   for (auto const& entry : table) {
-    if (entry.dtype == dtype && entry.headdim == headdim && entry.mask == mask && entry.launch != nullptr) {
+    if (entry.dtype == dtype && entry.headdim == headdim && entry.headdim_v == params.headdim_v &&
+        entry.mask == mask && entry.launch != nullptr) {
       *err = entry.launch(params, stream);
       return true;
     }
@@ -147,10 +159,10 @@ bool dispatch(Entry<Params> const (&table)[N], DType dtype, int headdim, MaskKin
 std::vector<KernelInfo> built_kernels() {
   std::vector<KernelInfo> kernels;
   for (auto const& entry : FwdTable::kEntries) {
-    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.mask}); }
+    if (entry.launch != nullptr) { kernels.push_back({"fwd", entry.dtype, entry.headdim, entry.headdim_v, entry.mask}); }
   }
   for (auto const& entry : BwdTable::kEntries) {
-    if (entry.launch != nullptr) { kernels.push_back({"bwd", entry.dtype, entry.headdim, entry.mask}); }
+    if (entry.launch != nullptr) { kernels.push_back({"bwd", entry.dtype, entry.headdim, entry.headdim_v, entry.mask}); }
   }
   return kernels;
 }

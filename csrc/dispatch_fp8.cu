@@ -5,7 +5,7 @@
 #include <limits>
 
 #ifndef FLASH3_HDIM_MASK
-#define FLASH3_HDIM_MASK 0x1f  // bit i: head dim {64, 96, 128, 192, 256}[i]
+#define FLASH3_HDIM_MASK 0x3f  // bit i: head dims {64, 96, 128, 192, 256, 192v128}[i]
 #endif
 #ifndef FLASH3_DTYPE_MASK
 #define FLASH3_DTYPE_MASK 0x7  // bit 2: e4m3

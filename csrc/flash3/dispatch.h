@@ -20,18 +20,20 @@ struct KernelInfo {
   char const* kind;  // "fwd" or "bwd"
   DType dtype;
   int headdim;
+  int headdim_v;  // the head dim of V (and of the output)
   MaskKind mask;
 };
 
 // Kernels this build holds (FLASH3_HDIMS / FLASH3_DTYPES narrow it at build time).
 std::vector<KernelInfo> built_kernels();
 
-// Launches the forward kernel for (dtype, headdim, mask). Returns false when this build
+// Launches the forward kernel for (dtype, headdim, params.headdim_v, mask). Returns false when this build
 // holds no such kernel; *err carries the launch status otherwise.
 bool dispatch_fwd(DType dtype, int headdim, MaskKind mask, FwdParams const& params, cudaStream_t stream,
                   cudaError_t* err);
 
-// The backward pass (preprocess, main kernel, postprocess) for (dtype, headdim, mask).
+// The backward pass (preprocess, main kernel, postprocess) for (dtype, headdim,
+// params.headdim_v, mask).
 bool dispatch_bwd(DType dtype, int headdim, MaskKind mask, BwdParams const& params, cudaStream_t stream,
                   cudaError_t* err);
 

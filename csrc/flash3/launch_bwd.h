@@ -13,9 +13,10 @@
 
 namespace flash3 {
 
-template <class Element, int kHeadDim, class Mask>
+// kHeadDimV: the head dim of V, O and dO (kHeadDim, or less: traits_bwd.h).
+template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashBwdKernel<BwdKernelTraits<Element, kHeadDim, kVariableKeys<Mask>>, Mask>;
+  using Kernel = FlashBwdKernel<BwdKernelTraits<Element, kHeadDim, kVariableKeys<Mask>, kHeadDimV>, Mask>;
   static_assert(Kernel::Traits::kBlockM == bwd_block_m(kHeadDim), "the binding sizes the dQ workspace by it");
   static_assert(128 % Kernel::Traits::kBlockM == 0, "seqlen_q_padded is a multiple of 128");
   cudaError_t err = run_bwd_preprocess<Element>(params, stream);
@@ -30,5 +31,6 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
 
 }  // namespace flash3
 
-#define FLASH3_INSTANTIATE_BWD(ELEMENT, HDIM, MASK) \
-  template cudaError_t flash3::run_bwd<ELEMENT, HDIM, flash3::MASK>(flash3::BwdParams const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_BWD_HDIMV(ELEMENT, HDIM, HDIMV, MASK) \
+  template cudaError_t flash3::run_bwd<ELEMENT, HDIM, flash3::MASK, HDIMV>(flash3::BwdParams const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_BWD(ELEMENT, HDIM, MASK) FLASH3_INSTANTIATE_BWD_HDIMV(ELEMENT, HDIM, HDIM, MASK)

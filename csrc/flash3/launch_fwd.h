@@ -12,30 +12,31 @@
 
 namespace flash3 {
 
-// One kernel of (element, head dim, mask): its tile configuration (short-sequence or
-// general) and batch layout (dense or packed).
-template <class Element, int kHeadDim, class Mask, bool kShortSeq, bool kVarlen>
+// One kernel of (element, head dims, mask): its tile configuration (short-sequence or
+// general) and batch layout (dense or packed). kHeadDimV: the head dim of V and O.
+template <class Element, int kHeadDim, class Mask, bool kShortSeq, bool kVarlen, int kHeadDimV>
 cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, kShortSeq>, Mask, kVarlen>;
+  using Kernel =
+      FlashFwdKernel<KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, kShortSeq, kHeadDimV>, Mask, kVarlen>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
                           kernel_params);
 }
 
-template <class Element, int kHeadDim, class Mask, bool kShortSeq>
+template <class Element, int kHeadDim, class Mask, bool kShortSeq, int kHeadDimV>
 cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
-  return params.is_varlen() ? launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, true>(params, stream)
-                            : launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, false>(params, stream);
+  return params.is_varlen() ? launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, true, kHeadDimV>(params, stream)
+                            : launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, false, kHeadDimV>(params, stream);
 }
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
 // both lengths (for packed batches, the longest sequence's) are short enough, or, for the
 // local mask, its window spans few enough keys (traits.h); the general one otherwise.
-template <class Element, int kHeadDim, class Mask>
+template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  constexpr bool kHasShortTile =
-      Mask::kIsLocal ? kHasLocalShortTile<kHeadDim> : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>;
+  constexpr bool kHasShortTile = kHeadDimV == kHeadDim && (Mask::kIsLocal ? kHasLocalShortTile<kHeadDim>
+                                                                          : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
     bool use_short = params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen;
@@ -43,22 +44,25 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
       // Each side is at most the longest sequence (api.cpp clamps it); summed in 64 bits.
       use_short |= int64_t(params.window_left) + params.window_right + 1 <= kMaxSeqlen;
     }
-    if (use_short) { return launch_fwd_layout<Element, kHeadDim, Mask, true>(params, stream); }
+    if (use_short) { return launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>(params, stream); }
   }
-  return launch_fwd_layout<Element, kHeadDim, Mask, false>(params, stream);
+  return launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>(params, stream);
 }
 
 }  // namespace flash3
 
 // One explicit instantiation per translation unit (csrc/instantiations/): run_fwd with the
 // general dense kernel; each other kernel (short-sequence tile, packed batches) in a file
-// of its own, so that they compile in parallel.
-#define FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN) \
-  flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, SHORT, VARLEN>(flash3::FwdParams const&, cudaStream_t)
-#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK)                                      \
-  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, true, false);      \
-  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, true, true);       \
-  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, false, true);      \
-  template cudaError_t flash3::run_fwd<ELEMENT, HDIM, flash3::MASK>(flash3::FwdParams const&, cudaStream_t);
+// of its own, so that they compile in parallel. The _HDIMV forms take the head dim of V.
+#define FLASH3_FWD_KERNEL(ELEMENT, HDIM, HDIMV, MASK, SHORT, VARLEN) \
+  flash3::launch_fwd_tiles<ELEMENT, HDIM, flash3::MASK, SHORT, VARLEN, HDIMV>(flash3::FwdParams const&, cudaStream_t)
+#define FLASH3_INSTANTIATE_FWD_HDIMV(ELEMENT, HDIM, HDIMV, MASK)                                \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, HDIMV, MASK, true, false);      \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, HDIMV, MASK, true, true);       \
+  extern template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, HDIMV, MASK, false, true);      \
+  template cudaError_t flash3::run_fwd<ELEMENT, HDIM, flash3::MASK, HDIMV>(flash3::FwdParams const&, cudaStream_t);
+#define FLASH3_INSTANTIATE_FWD(ELEMENT, HDIM, MASK) FLASH3_INSTANTIATE_FWD_HDIMV(ELEMENT, HDIM, HDIM, MASK)
+#define FLASH3_INSTANTIATE_FWD_KERNEL_HDIMV(ELEMENT, HDIM, HDIMV, MASK, SHORT, VARLEN) \
+  template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, HDIMV, MASK, SHORT, VARLEN);
 #define FLASH3_INSTANTIATE_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN) \
-  template cudaError_t FLASH3_FWD_KERNEL(ELEMENT, HDIM, MASK, SHORT, VARLEN);
+  FLASH3_INSTANTIATE_FWD_KERNEL_HDIMV(ELEMENT, HDIM, HDIM, MASK, SHORT, VARLEN)

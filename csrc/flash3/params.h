@@ -13,8 +13,8 @@ namespace flash3 {
 constexpr int kPageChunkRows = 16;
 
 struct FwdParams {
-  // q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim);
-  // o like q. The last dimension is contiguous (the binding checks it), so only the
+  // q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim); v:
+  // (batch, seqlen_k, nheads_k, headdim_v); o: (batch, seqlen_q, nheads, headdim_v). The last dimension is contiguous (the binding checks it), so only the
   // batch, row (seqlen) and head strides are stored, in elements.
   void const* q_ptr = nullptr;
   void const* k_ptr = nullptr;
@@ -55,6 +55,8 @@ struct FwdParams {
   int nheads = 0;
   int nheads_k = 0;
   int headdim = 0;
+  // The head dim of V (and of o, dout, dv): headdim, or less (DeepSeek-V3-style 192 / 128).
+  int headdim_v = 0;
 
   // softmax_scale multiplies Q K^T; softmax_scale_log2 = softmax_scale * log2(e) is what
   // the kernel uses, so that exp(x * scale) becomes a single FFMA feeding exp2.
@@ -103,8 +105,8 @@ constexpr int bwd_block_m(int headdim) { return headdim == 64 ? 128 : 64; }
 // The backward pass (launch_bwd.h): the forward's tensors plus the gradients and the
 // fp32 workspaces the binding allocates.
 struct BwdParams : FwdParams {
-  // dout like q (the binding makes it TMA-readable); dq like q; dk, dv: (batch, seqlen_k,
-  // nheads_dkv, headdim), where nheads_dkv is nheads_k, or nheads under GQA: then every
+  // dout like o (the binding makes it TMA-readable); dq like q; dk, dv: (batch, seqlen_k,
+  // nheads_dkv, headdim / headdim_v), where nheads_dkv is nheads_k, or nheads under GQA: then every
   // query head writes its own dK/dV in float32 (dkv_is_fp32) and the binding sums the
   // heads of a group, in a fixed order.
   void const* do_ptr = nullptr;

@@ -134,11 +134,12 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kSho
   static constexpr bool kTmaStoreO = true;
 };
 
-template <class Element_, int kHeadDim_, bool kIsCausal_, bool kShortSeq_ = false>
+template <class Element_, int kHeadDim_, bool kIsCausal_, bool kShortSeq_ = false, int kHeadDimV_ = kHeadDim_>
 struct KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
 
   using Config = TileConfig<kHeadDim, kIsCausal_, kShortSeq_>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;

@@ -40,11 +40,13 @@ struct BwdTileConfig {
   static constexpr int kStages = 2;
 };
 
-template <class Element_, int kHeadDim_, bool kIsCausal_>
+template <class Element_, int kHeadDim_, bool kIsCausal_, int kHeadDimV_ = kHeadDim_>
 struct BwdKernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static_assert(kHeadDimV == kHeadDim, "a V head dim of its own: not yet in the backward");
   static constexpr bool kIsCausal = kIsCausal_;
 
   using Config = BwdTileConfig<kHeadDim>;
