@@ -28,7 +28,7 @@ template <class Traits, class ElementO = typename Traits::Element>
 struct EpilogueFwd {
   using Element = ElementO;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // O's head dim
 
   struct Params {
     Element* o_ptr;
@@ -57,7 +57,7 @@ struct EpilogueFwd {
                                    int thread_idx, int m_block, int head, Seq const& seq) {
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});
     Tensor tOcO = thr_mma_pv.partition_C(cO);
     Tensor tOcO_rowcol = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
 
@@ -93,7 +93,7 @@ struct EpilogueFwd {
                                        int head, Seq const& seq) {
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});
     Tensor tOcO = thr_mma_pv.partition_C(cO);
     Tensor tOcO_rowcol = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
     float* lse_tile = lse_rows(params, head, seq);
@@ -107,9 +107,9 @@ struct EpilogueFwd {
   }
 };
 
-// O through shared memory and TMA. The staging buffer has Q's shape and swizzled layout
-// (the kernel passes Q's own buffer, or a buffer of its own where shared memory allows),
-// and each warp touches only its own 16 rows of it: those rows of Q were read only by
+// O through shared memory and TMA. The staging buffer has Q's swizzled layout over O's
+// shape (traits.h SmemLayoutO; the kernel passes Q's own buffer, or a buffer of its own
+// where shared memory allows), and each warp touches only its own 16 rows of it: those rows of Q were read only by
 // its own warpgroup's Q K^T, which has completed, so no barrier across warps is needed.
 // store_warpgroup instead takes one 64-row buffer per warpgroup (the kernel passes a
 // K or V stage, after a barrier across the warpgroups: Traits::kOInKVStages).
@@ -124,12 +124,12 @@ struct EpilogueFwdTma {
   using Element = typename Traits::Element;
   using Direct = EpilogueFwd<Traits>;  // the lse, and tiles that see no key
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // O's head dim
   static constexpr int kRowsPerWarp = 16;  // the rows of a 64-row WGMMA accumulator one warp holds
-  using SmemLayoutO = typename Traits::SmemLayoutQ;
+  using SmemLayoutO = typename Traits::SmemLayoutO;
   using SmemAtomO = typename Traits::SmemAtomQ;
   static constexpr int kAtomCols = decltype(size<1>(SmemAtomO{}))::value;
-  static_assert(kHeadDim % kAtomCols == 0);
+  static_assert(kHeadDimV % kAtomCols == 0);
   using BoxShape = Shape<Int<kRowsPerWarp>, Int<kAtomCols>>;
   using SmemLayoutBox = decltype(tile_to_shape(SmemAtomO{}, BoxShape{}));
 
@@ -145,7 +145,7 @@ struct EpilogueFwdTma {
   };
 
   static Params to_params(FwdParams const& p) {
-    ShapeRowsHead shape_o = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
+    ShapeRowsHead shape_o = rows_head_shape(p.rows_q(), p.headdim_v, p.nheads, p.tensor_batch());
     return {Direct::to_params(p),
             make_tma_o(static_cast<Element*>(p.o_ptr), shape_o,
                        rows_head_stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)),
@@ -174,7 +174,7 @@ struct EpilogueFwdTma {
 
   // The same with each consumer warpgroup's 64 rows staged in a buffer of its own
   // (smem_o_warpgroup, 64 x d, the layout below; Traits::kOInKVStages).
-  using SmemLayoutOWarpgroup = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutOWarpgroup = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, Int<kHeadDimV>>{}));
   template <class TensorO, class TensorLse>
   CUTLASS_DEVICE static void store_warpgroup(Params const& params, Element* smem_o_warpgroup, TensorO const& tOrO,
                                              TensorLse const& lse, int thread_idx, int m_block, int head,
@@ -219,7 +219,7 @@ struct EpilogueFwdTma {
                                 params.tma_o.get_tma_tensor(params.shape_o)(_, _, head, seq.batch));  // (seqlen_q, d)
       Tensor gO = local_tile(mO, BoxShape{}, make_coord(m_block * (kBlockM / kRowsPerWarp) + warp, _));  // (16, atom, d / atom)
       CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / kAtomCols; ++c) {
+      for (int c = 0; c < kHeadDimV / kAtomCols; ++c) {
         // The box starts on a swizzle-atom boundary: its offset is that of the unswizzled
         // layout (TMA applies the swizzle from the address bits).
         Element* box = smem_o + SmemLayout{}.layout_b()(buffer_row0, c * kAtomCols);
@@ -241,7 +241,7 @@ struct EpilogueFwdTma {
     // Through a tensor: the layout's swizzle is applied where the pointer meets it.
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayout{});
     constexpr int kVec = 16 / sizeof(Element);
-    constexpr int kChunksPerRow = kHeadDim / kVec;
+    constexpr int kChunksPerRow = kHeadDimV / kVec;
     Element* o_tile = Direct::o_rows(params.direct, head, seq);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     // Not unrolled: this is the rare path, and its addresses would otherwise be held in

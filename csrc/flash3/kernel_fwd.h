@@ -55,9 +55,10 @@ struct FlashFwdKernel {
   // One K or V stage, in elements (the stage is the outermost mode of their layouts).
   static constexpr int kStageElements = Traits::kBlockN * Traits::kHeadDim;
   static_assert(!Traits::kOInKVStages ||
-                (kStageElements * Traits::kStages == cute::cosize_v<typename Traits::SmemLayoutK> &&
+                (Traits::kHeadDimV == Traits::kHeadDim &&
+                 kStageElements * Traits::kStages == cute::cosize_v<typename Traits::SmemLayoutK> &&
                  kStageElements >= 64 * Traits::kHeadDim && (kStageElements * sizeof(Element)) % 1024 == 0),
-                "a K or V stage holds one warpgroup's 64 rows of O, 1024-byte aligned");
+                "a K or V stage (of equal head dims) holds one warpgroup's 64 rows of O, 1024-byte aligned");
   // kOInKVStages releases a K or V stage from every consumer thread once its own warp's
   // TMA stores have read it; that frees the stage only after all warps' stores if the
   // pipeline counts every consumer thread's arrival, as CUTLASS 4's PipelineTmaAsync does
@@ -70,7 +71,7 @@ struct FlashFwdKernel {
     typename Mainloop::SharedStorage mainloop;
     // O's staging buffer, where it is not Q's (traits.h).
     std::conditional_t<Traits::kSmemOSeparate,
-                       cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024>, NoStorage>
+                       cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutO>, 1024>, NoStorage>
         smem_o;
     // Q is loaded once per tile, into buffer (tile count) % kQStages: full when its TMA
     // bytes have landed, empty when all consumer warpgroups have finished their last
@@ -133,7 +134,7 @@ struct FlashFwdKernel {
     // consumer thread releases a stage, and (CUTLASS 4, one-CTA cluster) the pipeline
     // counts every consumer thread's arrival.
     typename PipelineK::Params pipeline_params;
-    pipeline_params.transaction_bytes = Traits::kBytesKV;
+    pipeline_params.transaction_bytes = Traits::kBytesK;
     pipeline_params.num_consumers = Traits::kConsumerThreads;
     if (role == WarpGroupRole::Producer) {
       pipeline_params.role = PipelineK::ThreadCategory::Producer;
@@ -143,6 +144,7 @@ struct FlashFwdKernel {
       pipeline_params.is_leader = 0;
     }
     PipelineK pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+    pipeline_params.transaction_bytes = Traits::kBytesV;
     PipelineV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
 
     // Barrier and pipeline initialisation must be visible to every thread before use.

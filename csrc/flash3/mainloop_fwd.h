@@ -29,6 +29,7 @@ struct MainloopFwd {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kConsumerThreads = Traits::kConsumerThreads;
   using TileShapeMNK = typename Traits::TileShapeMNK;
   using SmemLayoutQ = typename Traits::SmemLayoutQ;
@@ -65,9 +66,10 @@ struct MainloopFwd {
     }
   };
   using Options = std::conditional_t<Mask::kIsLocal, LocalOptions, NoOptions>;
-  using Pages = std::conditional_t<kVarlen, PagedKV<Traits>, NoPagedKV>;
+  // Paged K and V have one head dim (the binding checks it).
+  using Pages = std::conditional_t<kVarlen && kHeadDimV == kHeadDim, PagedKV<Traits>, NoPagedKV>;
 
-  // tma_q, tma_k, tma_v, shape_q, shape_k from Loads.
+  // tma_q, tma_k, tma_v, shape_q, shape_k, shape_v from Loads.
   struct Params : Loads, Options, Pages {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
@@ -132,10 +134,10 @@ struct MainloopFwd {
     Tensor mK = domain_offset(make_coord(seq.offset_k, _0{}),
                               params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
     Tensor mV = domain_offset(make_coord(seq.offset_k, _0{}),
-                              params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
+                              params.tma_v.get_tma_tensor(params.shape_v)(_, _, head_kv, seq.batch));  // (seqlen_k, dv)
     Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(m_block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
-    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, _0{}));  // (N, dv, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA), (TMA)
     // (TMA, n), (TMA, PIPE); not structured bindings, which C++17 lambdas cannot capture.
@@ -229,9 +231,9 @@ struct MainloopFwd {
   // persistent hdim 256 kernels spilled).
   __device__ __noinline__ static void zero_v_tail(SharedStorage& storage, int stage, int first_row, int thread_idx) {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
-    int const elements = (kBlockN - first_row) * kHeadDim;
+    int const elements = (kBlockN - first_row) * kHeadDimV;
     for (int i = thread_idx; i < elements; i += kConsumerThreads) {
-      sV(first_row + i / kHeadDim, i % kHeadDim, stage) = Element(0);
+      sV(first_row + i / kHeadDimV, i % kHeadDimV, stage) = Element(0);
     }
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(kConsumerThreads, NamedBarrier::VTailZeroed);

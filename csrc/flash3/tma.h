@@ -32,8 +32,8 @@ auto make_tma(CopyOp const& op, T* ptr, GShape const& shape, GStride const& stri
 }
 
 // The forward kernels' loads (16-bit and FP8 alike): Q as one (kBlockM x d) box per tile,
-// K and V as one (kBlockN x d) box per pipeline stage. V is stored with K's shared-memory
-// layout (traits.h, traits_fp8.h). A mainloop's Params derive from this.
+// K and V as one (kBlockN x d) box per pipeline stage (V's d: Traits::kHeadDimV). A
+// mainloop's Params derive from this.
 template <class Traits>
 struct FwdLoadsTma {
   using Element = typename Traits::Element;
@@ -42,29 +42,36 @@ struct FwdLoadsTma {
   static auto make_q(Element const* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}));
   }
-  static auto make_kv(Element const* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+  static auto make_k(Element const* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(typename Traits::SmemLayoutK{}),
                     select<1, 2>(TileShapeMNK{}));
   }
+  static auto make_v(Element const* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(typename Traits::SmemLayoutV{}),
+                    Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDimV>>{});
+  }
   using TmaQ = decltype(make_q(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
-  using TmaKV = decltype(make_kv(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
+  using TmaK = decltype(make_k(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
+  using TmaV = decltype(make_v(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
 
   TmaQ tma_q;
-  TmaKV tma_k;
-  TmaKV tma_v;
+  TmaK tma_k;
+  TmaV tma_v;
   ShapeRowsHead shape_q;
   ShapeRowsHead shape_k;
+  ShapeRowsHead shape_v;
 
   static FwdLoadsTma make(FwdParams const& p) {
     ShapeRowsHead shape_q = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
     ShapeRowsHead shape_k = rows_head_shape(p.rows_k(), p.headdim, p.nheads_k, p.tensor_batch());
+    ShapeRowsHead shape_v = rows_head_shape(p.rows_k(), p.headdim_v, p.nheads_k, p.tensor_batch());
     return {make_q(static_cast<Element const*>(p.q_ptr), shape_q,
                    rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
-            make_kv(static_cast<Element const*>(p.k_ptr), shape_k,
-                    rows_head_stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride)),
-            make_kv(static_cast<Element const*>(p.v_ptr), shape_k,
-                    rows_head_stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride)),
-            shape_q, shape_k};
+            make_k(static_cast<Element const*>(p.k_ptr), shape_k,
+                   rows_head_stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride)),
+            make_v(static_cast<Element const*>(p.v_ptr), shape_v,
+                   rows_head_stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride)),
+            shape_q, shape_k, shape_v};
   }
 
   CUTLASS_DEVICE void prefetch_descriptors() const {

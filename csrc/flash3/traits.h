@@ -89,7 +89,8 @@ constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 template <int kHeadDim>
 constexpr bool kHasLocalShortTile = kHeadDim == 64 || kHeadDim == 128;
 
-template <int kHeadDim, bool kIsCausal, bool kShortSeq>
+// kHeadDimV: the head dim of V and O where it differs from Q and K's (192 / 128).
+template <int kHeadDim, bool kIsCausal, bool kShortSeq, int kHeadDimV = kHeadDim>
 struct TileConfig;
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {
   static constexpr bool kTwoWarpgroups = kShortSeq;
@@ -125,6 +126,14 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kSho
   static constexpr bool kPersistent = false, kPingpong = true;
   static constexpr bool kTmaStoreO = true;
 };
+// Q and K of 192, V and O of 128 (DeepSeek-V3-style attention): 128 keys, as the narrower
+// V leaves room for (Q 48 KB + 2 stages of K 48 KB and V 32 KB; S 64, P 32 and O 64
+// registers per consumer thread).
+template <bool kIsCausal, bool kShortSeq> struct TileConfig<192, kIsCausal, kShortSeq, 128> {
+  static constexpr int kConsumerWarpgroups = 2, kBlockN = 128, kStages = 2;
+  static constexpr bool kPersistent = false, kPingpong = true;
+  static constexpr bool kTmaStoreO = true;
+};
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kShortSeq> {
   static constexpr int kConsumerWarpgroups = 2, kBlockN = kShortSeq ? 64 : 80, kStages = 2;
   static constexpr bool kPersistent = kShortSeq, kPingpong = !(kShortSeq && kIsCausal);
@@ -141,7 +150,7 @@ struct KernelTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
 
-  using Config = TileConfig<kHeadDim, kIsCausal_, kShortSeq_>;
+  using Config = TileConfig<kHeadDim, kIsCausal_, kShortSeq_, kHeadDimV>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kProducerWarpgroups = 1;
   static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
@@ -185,8 +194,8 @@ struct KernelTraits {
   static constexpr bool kIntRowMax = kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  // The P V product: M = query rows, N = head dim, K = keys.
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  // The P V product: M = query rows, N = V's head dim, K = keys.
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
 
   // Each consumer warpgroup owns 64 rows of the Q tile: the atom layout stacks the
   // warpgroups along M.
@@ -199,7 +208,7 @@ struct KernelTraits {
   // O += P V: P comes from registers (the S accumulator converted in place); V is read
   // from shared memory as an MN-major operand (head dim contiguous), so no transpose
   // is needed for 16-bit types.
-  using MmaAtomPV = decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+  using MmaAtomPV = decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
                                                    GMMA::Major::K, GMMA::Major::MN>());
   using TiledMmaPV = decltype(make_tiled_mma(MmaAtomPV{}, AtomLayoutMNK{}));
   // One warpgroup's share of it (its 64 rows), for O staged per warpgroup (kOInKVStages).
@@ -209,23 +218,35 @@ struct KernelTraits {
       GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
-  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
   using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  // V is stored exactly like K (as TMA brings it: keys x head dim) ...
-  using SmemLayoutV = SmemLayoutK;
+      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V is stored like K (as TMA brings it: keys x head dim; the same layout where the head
+  // dims are equal) ...
+  using SmemAtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDimV>>());
+  using SmemLayoutV = decltype(tile_to_shape(
+      SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
   // ... and read by the PV WGMMA through a transposed view: (head dim, keys, stage).
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // O as the TMA-store epilogue stages it (epilogue_fwd.h): Q's swizzle atom over
+  // (kBlockM, kHeadDimV), Q's own layout where the head dims are equal. Row r of O then
+  // lies where row r of Q did, for the columns they share, which lets O be staged in Q's
+  // buffer one warp's rows at a time.
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  static_assert(cute::cosize_v<SmemLayoutO> <= cute::cosize_v<SmemLayoutQ>, "O fits in Q's buffer");
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kBytesO = kBlockM * kHeadDimV * sizeof(Element);
 
   // The O epilogue (epilogue_fwd.h): staged in shared memory and stored with TMA where
   // Config::kTmaStoreO says so, else stored straight from registers. The staging buffer
@@ -245,11 +266,11 @@ struct KernelTraits {
   // Needs room for both Q buffers beside O's own.
   static constexpr int kQStages =
       kHeadDim == 64 && kShortSeq_ && !kIsCausal_ && kTmaStoreO && kPersistent &&
-              3 * kBytesQ + 2 * kStages * kBytesKV + 1024 <= 227 * 1024
+              2 * kBytesQ + kBytesO + kStages * (kBytesK + kBytesV) + 1024 <= 227 * 1024
           ? 2
           : 1;
   static constexpr bool kSmemOSeparate =
-      kTmaStoreO && kPersistent && (kQStages + 1) * kBytesQ + 2 * kStages * kBytesKV + 1024 <= 227 * 1024;
+      kTmaStoreO && kPersistent && kQStages * kBytesQ + kBytesO + kStages * (kBytesK + kBytesV) + 1024 <= 227 * 1024;
   static_assert(kQStages == 1 || kSmemOSeparate, "O is staged in Q's buffer only where there is one");
   using PipelineStateQ = cutlass::PipelineState<kQStages>;  // which Q buffer, and its phase
   // kOInKVStages: a persistent kernel without room for a separate buffer (the hdim 256

@@ -82,6 +82,7 @@ struct KernelTraitsFp8 {
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDim;  // V and O: Q and K's head dim
 
   using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kPersistentOverride, kWarpgroupsOverride>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
@@ -218,9 +219,11 @@ struct KernelTraitsFp8 {
     using Element = ElementOut;
     static constexpr int kBlockM = KernelTraitsFp8::kBlockM;
     static constexpr int kHeadDim = KernelTraitsFp8::kHeadDim;
+    static constexpr int kHeadDimV = kHeadDim;
     using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
         GMMA::Major::K, ElementOut, Int<kBlockM>, Int<kHeadDim>>());
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutO = SmemLayoutQ;
     using TiledMmaPV = KernelTraitsFp8::TiledMmaPV;
     // One warpgroup's share of it (kOInKVStages stages O per warpgroup).
     using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
