@@ -116,7 +116,8 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
 }
 
 // The forward pass into out (like q) and lse ((batch, nheads, seqlen_q) float32), on
-// (batch, seqlen, nheads, headdim) tensors (packed batches: one batch entry of all rows).
+// (batch, seqlen, nheads, headdim) tensors (v and out: headdim_v; packed batches: one
+// batch entry of all rows).
 void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
                  at::Tensor const& lse, double softmax_scale, bool causal, Options const& options,
                  Varlen const* varlen) {
@@ -136,14 +137,16 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), mask, params,
                                           c10::cuda::getCurrentCUDAStream().stream(), &launch_status);
   TORCH_CHECK(found, "flash3: this build holds no forward kernel for dtype ", flash3::dtype_name(dtype),
-              ", headdim ", headdim, ", mask ", flash3::mask_name(mask), " (see flash3.build_info()['kernels'])");
+              ", headdim ", headdim, ", headdim_v ", params.headdim_v, ", mask ", flash3::mask_name(mask),
+              " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: forward kernel launch failed: ",
               cudaGetErrorString(launch_status));
 }
 
 // The backward pass on (batch, seqlen, nheads, headdim) tensors (packed batches: one
 // batch entry of all rows, with `varlen` saying where each sequence is) and lse
-// (batch, nheads, seqlen_q). Returns dq, dk, dv shaped like q, k, v.
+// (batch, nheads, seqlen_q); v, out and dout have headdim_v. Returns dq, dk, dv shaped
+// like q, k, v.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
     at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
     at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
@@ -203,11 +206,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed
   // below (a fixed order, so deterministic too).
   bool const gqa = nheads != nheads_k;
-  auto const f32_heads = [&] {
-    return partial ? at::zeros({k.size(0), rows_k, nheads, headdim}, f32) : at::empty({k.size(0), rows_k, nheads, headdim}, f32);
+  auto const f32_heads = [&](int64_t dim) {
+    return partial ? at::zeros({k.size(0), rows_k, nheads, dim}, f32) : at::empty({k.size(0), rows_k, nheads, dim}, f32);
   };
-  at::Tensor dk_heads = gqa ? f32_heads() : dk;
-  at::Tensor dv_heads = gqa ? f32_heads() : dv;
+  at::Tensor dk_heads = gqa ? f32_heads(headdim) : dk;
+  at::Tensor dv_heads = gqa ? f32_heads(v.size(3)) : dv;
 
   flash3::BwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
@@ -237,7 +240,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   bool const found = flash3::dispatch_bwd(dtype, static_cast<int>(headdim), mask, params,
                                           c10::cuda::getCurrentCUDAStream().stream(), &launch_status);
   TORCH_CHECK(found, "flash3: this build holds no backward kernel for dtype ", flash3::dtype_name(dtype),
-              ", headdim ", headdim, ", mask ", flash3::mask_name(mask), " (see flash3.build_info()['kernels'])");
+              ", headdim ", headdim, ", headdim_v ", params.headdim_v, ", mask ", flash3::mask_name(mask),
+              " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: backward kernel launch failed: ",
               cudaGetErrorString(launch_status));
   if (gqa) { flash3::api::sum_kv_heads(dk_heads, dv_heads, nheads / nheads_k, dk, dv); }
@@ -259,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   options.check(q, q.size(2));
   c10::cuda::CUDAGuard const device_guard(q.device());
   at::Tensor out, lse;
-  if (flash3::api::alloc_fwd_outputs(q, k, q.scalar_type(), out, lse)) {
+  if (flash3::api::alloc_fwd_outputs(q, v, q.scalar_type(), out, lse)) {
     // No keys: with sinks, each row's whole probability is the sink's.
     if (sinks.has_value() && k.size(1) == 0) { lse.copy_(sinks->view({1, -1, 1}).expand_as(lse)); }
     return {out, lse};
@@ -280,7 +284,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd(
   flash3::api::Options const options{window_left, window_right, softcap, sinks};
   options.check(q, q.size(2));
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
+  std::vector<int64_t> const out_shape_v{batch, seqlen_q, nheads, v.size(3)};
+  at::IntArrayRef const out_shape(out_shape_v);
+  TORCH_CHECK(dout.sizes() == out_shape && out.sizes() == out_shape,
+              "flash3: dout and out must be (batch, seqlen_q, nheads, headdim_v) = ", out_shape);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "flash3: dout and out must have the dtype of q");
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
@@ -297,9 +304,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd(
                                    nullptr);
 }
 
-// Variable-length batches: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
-// headdim), cu_seqlens int32 (batch + 1), seqused int32 (batch) or None; out like q, lse
-// float32 (nheads, total_q). The lengths stay on the device (seqlen.h).
+// Variable-length batches: q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v
+// (total_k, nheads_k, headdim_v), cu_seqlens int32 (batch + 1), seqused int32 (batch) or
+// None; out (total_q, nheads, headdim_v), lse float32 (nheads, total_q). The lengths stay on the device (seqlen.h).
 void check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& cu_seqlens_q,
                   at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
                   std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
@@ -342,6 +349,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
                 "flash3: with a page_table, page_size (got ", page_size, ") and page_rows (got ", page_rows,
                 ") must be positive multiples of ", flash3::kPageChunkRows, ", page_rows >= page_size");
     TORCH_CHECK(seqused_k.has_value(), "flash3: a page_table needs seqused_k");
+    TORCH_CHECK(v.size(2) == k.size(2) && v.size(-1) == k.size(-1), "flash3: a paged v has the head dim of k (",
+                k.size(-1), "), got ", v.size(-1));
   }
   flash3::api::Options const options{window_left, window_right, softcap, sinks};
   options.check(q, q.size(1));
@@ -350,15 +359,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
   at::Tensor v4 = v.unsqueeze(0);
   check_qkv(q4, k4, v4, softmax_scale);
   c10::cuda::CUDAGuard const device_guard(q.device());
-  int64_t const total_q = q.size(0), nheads = q.size(1), headdim = q.size(2);
-  at::Tensor out = at::empty({total_q, nheads, headdim}, q.options());
+  int64_t const total_q = q.size(0), nheads = q.size(1), headdim = q.size(2), headdim_v = v.size(2);
+  at::Tensor out = at::empty({total_q, nheads, headdim_v}, q.options());
   at::Tensor lse = at::empty({nheads, total_q}, q.options().dtype(at::kFloat));
   if (cu_seqlens_q.size(0) == 1 || total_q == 0 || nheads == 0 || max_seqlen_q == 0) { return {out, lse}; }
   if (k.size(0) == 0) {
     // No key anywhere: every sequence's rows get 0 and lse -inf from the kernel, which
     // needs a row to describe K and V by.
     k4 = at::zeros({1, 1, k.size(1), headdim}, k.options());
-    v4 = k4;
+    v4 = at::zeros({1, 1, v.size(1), headdim_v}, v.options());
   }
   flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                    page_table, page_size, page_rows};
@@ -378,7 +387,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   options.check(q, q.size(1));
   check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale);
   int64_t const total_q = q.size(0), nheads = q.size(1);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flash3: dout and out must have the shape of q");
+  std::vector<int64_t> const out_shape_v{total_q, nheads, v.size(2)};
+  at::IntArrayRef const out_shape(out_shape_v);
+  TORCH_CHECK(dout.sizes() == out_shape && out.sizes() == out_shape,
+              "flash3: dout and out must be (total_q, nheads, headdim_v) = ", out_shape);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "flash3: dout and out must have the dtype of q");
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),

@@ -85,14 +85,17 @@ inline void check_qkv_device(at::Tensor const& q, at::Tensor const& k, at::Tenso
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "flash3: q, k, v must be on one device");
 }
 
-// q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim) with
-// nheads a multiple of nheads_k; a positive finite softmax_scale; seqlens that fit an int.
+// q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim) and v
+// (batch, seqlen_k, nheads_k, headdim_v) with nheads a multiple of nheads_k; a positive
+// finite softmax_scale; seqlens that fit an int. Which head dim pairs have kernels is the
+// dispatch's business (the FP8 binding asks for equal ones).
 inline void check_qkv_shapes(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "flash3: q, k, v must be 4-D (batch, seqlen, nheads, headdim)");
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
   int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash3: k and v must have the same shape");
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+              "flash3: k and v must have the same batch, seqlen_k and nheads_k");
   TORCH_CHECK(k.size(0) == batch && k.size(3) == headdim, "flash3: k must be (batch, seqlen_k, nheads_k, ",
               headdim, ") with batch ", batch);
   TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash3: nheads (", nheads,
@@ -101,18 +104,18 @@ inline void check_qkv_shapes(at::Tensor const& q, at::Tensor const& k, at::Tenso
   TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash3: seqlen must be < 2^31");
 }
 
-// The forward's out (batch, seqlen_q, nheads, headdim) in out_dtype and lse (batch,
+// The forward's out (batch, seqlen_q, nheads, headdim_v) in out_dtype and lse (batch,
 // nheads, seqlen_q) float32, allocated on q's device (the caller holds its device guard).
 // Returns true when no kernel is needed and they already hold the answer: with no query
 // rows there is nothing to write; with no keys the softmax is over an empty set, so the
 // output is 0 and the logsumexp -inf.
-inline bool alloc_fwd_outputs(at::Tensor const& q, at::Tensor const& k, at::ScalarType out_dtype, at::Tensor& out,
+inline bool alloc_fwd_outputs(at::Tensor const& q, at::Tensor const& v, at::ScalarType out_dtype, at::Tensor& out,
                               at::Tensor& lse) {
-  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
-  out = at::empty({batch, seqlen_q, nheads, headdim}, q.options().dtype(out_dtype));
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim_v = v.size(3);
+  out = at::empty({batch, seqlen_q, nheads, headdim_v}, q.options().dtype(out_dtype));
   lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
   if (batch == 0 || nheads == 0 || seqlen_q == 0) { return true; }
-  if (k.size(1) == 0) {
+  if (v.size(1) == 0) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return true;

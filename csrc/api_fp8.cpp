@@ -59,6 +59,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
               "flash3: fwd_fp8 takes torch.float8_e4m3fn q, k, v; got ", q.scalar_type(), ", ", k.scalar_type(),
               ", ", v.scalar_type());
   flash3::api::check_qkv_shapes(q, k, v, softmax_scale);
+  TORCH_CHECK(v.size(3) == q.size(3), "flash3: the FP8 forward takes v with the head dim of q and k (",
+              q.size(3), "), got ", v.size(3));
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
   int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
   int64_t const q_blocks = (seqlen_q + flash3::kScaleBlockQ - 1) / flash3::kScaleBlockQ;
@@ -86,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale.head_stride = params.k_scale.head_stride;
   params.v_scale.block_stride = params.k_scale.block_stride;
   at::Tensor out, lse;
-  if (flash3::api::alloc_fwd_outputs(q, k, at::kBFloat16, out, lse)) { return {out, lse}; }
+  if (flash3::api::alloc_fwd_outputs(q, v, at::kBFloat16, out, lse)) { return {out, lse}; }
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = flash3::api::tma_ready(q);
   at::Tensor const k_tma = flash3::api::tma_ready(k);

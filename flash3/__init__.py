@@ -24,6 +24,7 @@ from . import flash_attn_interface, fp8, reference
 from ._version import __version__
 from .interface import (
     SUPPORTED_DTYPES,
+    SUPPORTED_HEADDIM_PAIRS,
     SUPPORTED_HEADDIMS,
     KernelNotBuiltError,
     attention,
@@ -55,6 +56,7 @@ __all__ = [
     "reference",
     "KernelNotBuiltError",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_HEADDIM_PAIRS",
     "SUPPORTED_HEADDIMS",
     "__version__",
 ]

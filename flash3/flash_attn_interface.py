@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from . import fp8 as _fp8
 from .combine import combine as _combine
-from .interface import SUPPORTED_HEADDIMS, attention as _attention
+from .interface import SUPPORTED_HEADDIM_PAIRS, SUPPORTED_HEADDIMS, attention as _attention
 from .varlen import attention_varlen as _attention_varlen
 
 __all__ = [
@@ -160,9 +160,14 @@ def _check_learnable_sink(fname, learnable_sink, q):
 
 
 def _check_v_headdim(fname, q, k, v):
-    if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and k.shape[-1] == q.shape[-1] != v.shape[-1]:
+    """v's head dim: q's, or one of the pairs with kernels of their own (192 with 128), in 16 bits."""
+    if not (all(isinstance(t, torch.Tensor) for t in (q, k, v)) and k.shape[-1] == q.shape[-1] != v.shape[-1]):
+        return
+    if (q.shape[-1], v.shape[-1]) not in SUPPORTED_HEADDIM_PAIRS or q.dtype == _E4M3:
+        pairs = ", ".join(f"{d} with {dv}" for d, dv in SUPPORTED_HEADDIM_PAIRS)
         _not_implemented(fname, "v.shape[-1]", v.shape[-1],
-                         f"a V head dim different from the Q/K head dim ({q.shape[-1]})")
+                         f"a V head dim different from the Q/K head dim ({q.shape[-1]}) other than "
+                         f"{pairs} in bf16/fp16")
 
 
 def _padded_headdim(d: int, supported) -> int:

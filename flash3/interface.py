@@ -28,6 +28,8 @@ except ImportError as exc:  # no compiled extension: the reference still works
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
+# (headdim of q and k, headdim of v) pairs besides the equal ones (DeepSeek-V3-style 192 / 128).
+SUPPORTED_HEADDIM_PAIRS = ((192, 128),)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -38,7 +40,8 @@ class KernelNotBuiltError(ValueError):
 def build_info() -> dict:
     """What this installation holds: its kernels, CUDA and CUTLASS versions.
 
-    ``kernels`` lists dicts ``{"kind", "dtype", "hdim", "mask", "causal"}``: ``mask`` is
+    ``kernels`` lists dicts ``{"kind", "dtype", "hdim", "hdim_v", "mask", "causal"}``:
+    ``hdim`` is the head dim of q and k, ``hdim_v`` that of v and the output, ``mask`` is
     "none", "causal" or "local" (the kernel of sliding windows, softcap and attention
     sinks), ``causal`` is True for the "causal" mask only. Without the compiled extension
     the list is empty and ``error`` says why.
@@ -52,28 +55,30 @@ _BUILT = None
 
 
 def _built_kernels() -> frozenset:
-    """(kind, dtype, hdim, mask) of every kernel in this build; mask is "none", "causal"
-    or "local" (sliding windows, softcap and sinks)."""
+    """(kind, dtype, hdim, hdim_v, mask) of every kernel in this build; mask is "none",
+    "causal" or "local" (sliding windows, softcap and sinks)."""
     global _BUILT
     if _BUILT is None:
         _BUILT = frozenset(
-            (k["kind"], k["dtype"], k["hdim"], k.get("mask", "causal" if k["causal"] else "none"))
+            (k["kind"], k["dtype"], k["hdim"], k.get("hdim_v", k["hdim"]),
+             k.get("mask", "causal" if k["causal"] else "none"))
             for k in build_info()["kernels"]
         )
     return _BUILT
 
 
-def is_supported(kind: str, dtype, hdim: int, causal: bool, *, mask=None) -> bool:
+def is_supported(kind: str, dtype, hdim: int, causal: bool, *, mask=None, hdim_v=None) -> bool:
     """True when this build holds the ``kind`` ("fwd" or "bwd") kernel for the arguments.
 
     ``dtype`` is a torch dtype or its short name ("bf16", "fp16"). ``mask`` ("none",
     "causal", "local") overrides ``causal``: "local" is the kernel that runs sliding
-    windows, softcap and attention sinks.
+    windows, softcap and attention sinks. ``hdim_v``: the head dim of v (default ``hdim``).
     """
     name = _DTYPE_NAMES.get(dtype, dtype)
     if mask is None:
         mask = "causal" if causal else "none"
-    return (kind, name, int(hdim), mask) in _built_kernels()
+    hdim_v = hdim if hdim_v is None else hdim_v
+    return (kind, name, int(hdim), int(hdim_v), mask) in _built_kernels()
 
 
 def _fail(exc_type, name, value, supported, fn="flash3.attention"):
@@ -98,14 +103,19 @@ def _check_tensors(fn, q, k, v):
         if t.dim() != dims:
             _fail(ValueError, f"{name}.dim()", t.dim(), f"{dims}: {layout}", fn)
     nheads, headdim = q.shape[-2], q.shape[-1]
-    if k.shape != v.shape:
-        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}", fn)
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, "v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)} but for the head dim", fn)
     if not packed and k.shape[0] != q.shape[0]:
         _fail(ValueError, "k.shape[0] (batch)", k.shape[0], f"the batch of q ({q.shape[0]})", fn)
     if k.shape[-1] != headdim:
         _fail(ValueError, f"k.shape[{dims - 1}] (headdim)", k.shape[-1], f"the headdim of q ({headdim})", fn)
     if headdim not in SUPPORTED_HEADDIMS:
         _fail(ValueError, "headdim", headdim, ", ".join(map(str, SUPPORTED_HEADDIMS)), fn)
+    headdim_v = v.shape[-1]
+    if headdim_v != headdim and (headdim, headdim_v) not in SUPPORTED_HEADDIM_PAIRS:
+        pairs = ", ".join(f"{d} with {dv}" for d, dv in SUPPORTED_HEADDIM_PAIRS)
+        _fail(ValueError, f"v.shape[{dims - 1}] (headdim_v)", headdim_v,
+              f"the headdim of q ({headdim}), or for q and k of one head dim, v of another: {pairs}", fn)
     nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         _fail(ValueError, "nheads_k", nheads_k, f"a divisor of nheads ({nheads}) (GQA/MQA)", fn)
@@ -203,15 +213,21 @@ def _check_inputs(q, k, v, causal, softmax_scale, deterministic=False, window_si
     return options
 
 
-def _check_built(kind, q, causal, mask=None, fn="flash3.attention"):
+def _hdims_name(hdim, hdim_v):
+    return f"hdim{hdim}" if hdim == hdim_v else f"hdim{hdim}v{hdim_v}"
+
+
+def _check_built(kind, q, causal, mask=None, fn="flash3.attention", v=None):
     dtype_name = _DTYPE_NAMES[q.dtype]
     headdim = q.shape[-1]
+    headdim_v = headdim if v is None else v.shape[-1]
     mask = mask or ("causal" if causal else "none")
-    if not is_supported(kind, dtype_name, headdim, causal, mask=mask):
-        built = sorted(f"{d}/hdim{h}/{m}" for k, d, h, m in _built_kernels() if k == kind)
+    if not is_supported(kind, dtype_name, headdim, causal, mask=mask, hdim_v=headdim_v):
+        built = sorted(f"{d}/{_hdims_name(h, hv)}/{m}" for k, d, h, hv, m in _built_kernels() if k == kind)
         pass_name = {"fwd": "forward", "bwd": "backward"}[kind]
+        what = f"headdim {headdim}" + (f", headdim_v {headdim_v}" if headdim_v != headdim else "")
         raise KernelNotBuiltError(
-            f"{fn}: the {pass_name} kernel for dtype {dtype_name}, headdim {headdim}, "
+            f"{fn}: the {pass_name} kernel for dtype {dtype_name}, {what}, "
             f"mask {mask} was not built (FLASH3_HDIMS / FLASH3_DTYPES / FLASH3_KINDS at build time); "
             f"this build holds: {', '.join(built) or 'none'}"
         )
@@ -222,8 +238,8 @@ if _C is not None:
     @torch.library.register_fake("flash3::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
                   softcap=0.0, sinks=None):
-        batch, seqlen_q, nheads, headdim = q.shape
-        out = q.new_empty((batch, seqlen_q, nheads, headdim))
+        batch, seqlen_q, nheads, _ = q.shape
+        out = q.new_empty((batch, seqlen_q, nheads, v.shape[-1]))
         lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
         return out, lse
 
@@ -252,7 +268,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         q: (batch, seqlen_q, nheads, headdim), torch.bfloat16 or torch.float16, CUDA.
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device. With
             nheads_k < nheads (GQA/MQA; nheads % nheads_k == 0) query head i uses K/V head
-            i // (nheads // nheads_k), without copying K or V.
+            i // (nheads // nheads_k), without copying K or V. v may have a head dim of
+            its own where a kernel exists for the pair: headdim 192 with v's 128
+            (DeepSeek-V3-style attention); the output then has v's head dim.
         causal: mask keys after the query, bottom-right aligned as in FlashAttention-2/3:
             query row i sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 3,
             seqlen_k = 5 (1 = visible)::
@@ -298,21 +316,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             pass is deterministic either way.
 
     Returns:
-        out shaped like q (contiguous), or (out, lse) when return_lse.
+        out (batch, seqlen_q, nheads, v's headdim), contiguous, or (out, lse) when
+        return_lse.
 
-    head dims 64, 96, 128, 192, 256 are supported (see ``build_info()`` for what this
-    build holds). A window (other than causal's), softcap or sinks run the "local"
+    head dims 64, 96, 128, 192, 256 are supported, and 192 for q and k with 128 for v (see
+    ``build_info()`` for what this build holds). A window (other than causal's), softcap or sinks run the "local"
     kernels, bf16 and fp16, forward and backward. Inputs whose layout TMA cannot read
     (last dim not contiguous, strides not multiples of 16 bytes) are copied to
     contiguous tensors first.
     """
     left, right, softcap = _check_inputs(q, k, v, causal, softmax_scale, deterministic, window_size, softcap, sinks)
     mask = _mask_kind(causal, (left, right), softcap, sinks, q.shape[1], k.shape[1])
-    _check_built("fwd", q, causal, mask)
+    _check_built("fwd", q, causal, mask, v=v)
     grads = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or
                                         (sinks is not None and sinks.requires_grad))
     if grads:
-        _check_built("bwd", q, causal, mask)
+        _check_built("bwd", q, causal, mask, v=v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if sinks is not None:

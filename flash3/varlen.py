@@ -106,7 +106,7 @@ if _C is not None:
                          softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
                          sinks=None, page_table=None, page_size=0, page_rows=0):
         total_q, nheads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+        return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
     @torch.library.register_fake("flash3::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -130,8 +130,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Args:
         q: (total_q, nheads, headdim), the batch's query tokens back to back;
             torch.bfloat16 or torch.float16, CUDA.
-        k, v: (total_k, nheads_k, headdim), same dtype and device; GQA/MQA as in
-            ``flash3.attention``.
+        k, v: (total_k, nheads_k, headdim), same dtype and device; GQA/MQA and v's own
+            head dim (192 with 128) as in ``flash3.attention``.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of the output) and
             ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v. Empty sequences are legal.
@@ -152,7 +152,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             lengths are the caller's contract: rows may be left unwritten.
 
     Returns:
-        out (total_q, nheads, headdim), or (out, lse) when return_lse. Output rows that
+        out (total_q, nheads, v's headdim), or (out, lse) when return_lse. Output rows that
         belong to no sequence (past ``seqused`` or ``cu_seqlens[-1]``) are not written.
 
     No host synchronisation happens in the call (unless ``validate``): it can be captured
@@ -163,10 +163,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     left, right, softcap = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                          seqused_k, causal, softmax_scale, deterministic, window_size, softcap, sinks)
     mask = _mask_kind(causal, (left, right), softcap, sinks, max_seqlen_q, max_seqlen_k)
-    _check_built("fwd", q, causal, mask, _NAME)
+    _check_built("fwd", q, causal, mask, _NAME, v=v)
     if torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or
                                     (sinks is not None and sinks.requires_grad)):
-        _check_built("bwd", q, causal, mask, _NAME)
+        _check_built("bwd", q, causal, mask, _NAME, v=v)
     if validate or os.environ.get("FLASH3_VALIDATE") == "1":
         validate_seqlens(q.shape[0], k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                          seqused_k)

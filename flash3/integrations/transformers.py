@@ -56,8 +56,11 @@ FlashAttention path does; nothing when the window covers every key), ``softcap``
 and attention sinks (``s_aux``, gpt-oss: one logit per query head) run flash3's local-mask
 kernels, on every path above (dense, padded, packed; bf16 and fp16, forward and backward).
 
+A V head dim of its own runs where flash3 has the pair (192 for Q/K with 128 for V,
+DeepSeek-V3-style attention).
+
 Not supported yet (``NotImplementedError``): dropout > 0, 4-D (custom) attention masks,
-a V head dim different from Q/K's. Mask patterns that
+other V head dims different from Q/K's. Mask patterns that
 transformers builds beyond causal, padding and packing (chunked attention, bidirectional
 image-token blocks) are not seen by this backend, as by transformers' own FlashAttention
 backends. ``output_attentions`` is not available (None is returned for the weights).
@@ -70,7 +73,7 @@ import weakref
 import torch
 
 from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
-from ..interface import SUPPORTED_HEADDIMS, attention
+from ..interface import SUPPORTED_HEADDIM_PAIRS, SUPPORTED_HEADDIMS, attention
 
 NAME = "hopper_attention"
 
@@ -258,8 +261,9 @@ def attention_forward(
     if attention_mask is not None and attention_mask.dim() != 2:
         _unsupported("attention_mask.dim()", attention_mask.dim(),
                      "a custom (4-D) attention mask; flash3 takes 2-D padding masks")
-    if value.shape[-1] != key.shape[-1]:
-        _unsupported("value.shape[-1]", value.shape[-1], f"a V head dim different from the Q/K head dim ({key.shape[-1]})")
+    if value.shape[-1] != key.shape[-1] and (key.shape[-1], value.shape[-1]) not in SUPPORTED_HEADDIM_PAIRS:
+        _unsupported("value.shape[-1]", value.shape[-1], f"a V head dim different from the Q/K head dim "
+                     f"({key.shape[-1]}) other than 192 with 128")
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     deterministic = kwargs.get("deterministic")
