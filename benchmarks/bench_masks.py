@@ -19,7 +19,6 @@ Writes <out-dir>/<tag>.json and <tag>.md; prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))
-from bench_varlen import BWD_FLOP_FACTOR, Impl, graph_ms, tflops  # noqa: E402
+from bench_varlen import BWD_FLOP_FACTOR, Impl, graph_ms, results_header, tflops, write_results  # noqa: E402
 
 HIDDEN = 2048
 TOKENS = 32768
@@ -149,15 +148,10 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args(argv)
     impl = Impl()
-    data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "fa3": "in the same run" if impl.fa3 is not None else f"not available ({impl.fa3_error})"}
+    data = results_header(impl)
     data["rows"] = run(impl, [int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")],
                        args.configs.split(","))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
-    md = markdown(data)
-    (args.out_dir / f"{args.tag}.md").write_text(md)
-    print(md)
+    write_results(args.out_dir, args.tag, data, markdown(data))
     return 0
 
 

@@ -110,6 +110,21 @@ class Impl:
             self.fa3_error = f"{type(exc).__name__}: {exc}"
 
 
+def results_header(impl):
+    """The fields every result file starts with: the device, torch, and whether
+    FlashAttention-3 ran beside flash3."""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "fa3": "in the same run" if impl.fa3 is not None else f"not available ({impl.fa3_error})"}
+
+
+def write_results(out_dir, tag, data, md):
+    """<out_dir>/<tag>.json (data) and <tag>.md (md); prints md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{tag}.json").write_text(json.dumps(data, indent=1))
+    (out_dir / f"{tag}.md").write_text(md)
+    print(md)
+
+
 def cu_of(lengths):
     cu = [0]
     for n in lengths:
@@ -310,19 +325,14 @@ def main(argv=None):
     hdims = [int(x) for x in args.hdims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     impl = Impl()
-    data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "fa3": "in the same run" if impl.fa3 is not None else f"not available ({impl.fa3_error})"}
+    data = results_header(impl)
     grids = args.grids.split(",")
     if "mix" in grids:
         data["mix"], lengths = grid_mix(impl, hdims, [False, True])
         data["mix_sequences"], data["mix_lengths"] = len(lengths), lengths
     if "equal" in grids:
         data["equal"] = grid_equal(impl, hdims, seqlens, [False, True])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.tag}.json").write_text(json.dumps(data, indent=1))
-    md = markdown(data)
-    (args.out_dir / f"{args.tag}.md").write_text(md)
-    print(md)
+    write_results(args.out_dir, args.tag, data, markdown(data))
     return 0
 
 

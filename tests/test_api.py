@@ -34,8 +34,9 @@ def test_build_info_lists_kernels():
         assert k["kind"] in ("fwd", "bwd")
         assert k["dtype"] in ("bf16", "fp16")
         assert k["hdim"] in flash3.SUPPORTED_HEADDIMS
+        assert k["hdim_v"] == k["hdim"] or (k["hdim"], k["hdim_v"]) in flash3.SUPPORTED_HEADDIM_PAIRS
         assert isinstance(k["causal"], bool)
-        assert flash3.is_supported(k["kind"], k["dtype"], k["hdim"], k["causal"])
+        assert flash3.is_supported(k["kind"], k["dtype"], k["hdim"], k["causal"], mask=k["mask"], hdim_v=k["hdim_v"])
     assert not flash3.is_supported("fwd", "bf16", 80, False)
     assert not flash3.is_supported("bwd", "bf16", 80, False)
 
@@ -52,13 +53,16 @@ def test_cpu_tensors_raise_type_error_naming_device():
         (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, r"q\.dtype is torch\.float32; supported: torch\.bfloat16, torch\.float16"),
         (lambda q, k, v: (q, k.half(), v), TypeError, r"k\.dtype is torch\.float16; supported: the dtype of q"),
         (lambda q, k, v: (q[0], k, v), ValueError, r"q\.dim\(\) is 3; supported: 4"),
-        (lambda q, k, v: (q, k, v[:, :5]), ValueError, r"v\.shape is .*; supported: the shape of k"),
+        (lambda q, k, v: (q, k, v[:, :5]), ValueError, r"v\.shape is .*; supported: the shape of k .* but for the head dim"),
+        (lambda q, k, v: (q, k, v[..., :32]), ValueError,
+         r"v\.shape\[3\] \(headdim_v\) is 32; supported: the headdim of q \(64\), or .*: 192 with 128"),
         (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"k\.shape\[0\] \(batch\) is 1; supported: the batch of q \(2\)"),
         (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, r"headdim is 48; supported: 64, 96, 128, 192, 256"),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"nheads_k is 2; supported: a divisor of nheads \(3\)"),
         (lambda q, k, v: ("q", k, v), TypeError, r"q is str; supported: a torch\.Tensor"),
     ],
-    ids=["float32", "mixed-dtype", "rank3", "kv-shape", "batch", "headdim48", "gqa-divisor", "not-a-tensor"],
+    ids=["float32", "mixed-dtype", "rank3", "kv-shape", "v-headdim", "batch", "headdim48", "gqa-divisor",
+         "not-a-tensor"],
 )
 def test_validation_messages(mutate, exc, pattern):
     q, k, v = mutate(*_qkv())

@@ -187,8 +187,9 @@ def test_flash_attn_interface_window_normalisation():
 @pytest.fixture
 def fake_build(monkeypatch):
     """A build of bf16 hdim 128: none and causal for both passes, local for the forward only."""
-    built = frozenset({("fwd", "bf16", 128, "none"), ("fwd", "bf16", 128, "causal"), ("bwd", "bf16", 128, "none"),
-                       ("bwd", "bf16", 128, "causal"), ("fwd", "bf16", 128, "local")})
+    built = frozenset({("fwd", "bf16", 128, 128, "none"), ("fwd", "bf16", 128, 128, "causal"),
+                       ("bwd", "bf16", 128, 128, "none"), ("bwd", "bf16", 128, 128, "causal"),
+                       ("fwd", "bf16", 128, 128, "local"), ("fwd", "bf16", 192, 128, "causal")})
     monkeypatch.setattr(interface, "_BUILT", built)
 
 
@@ -199,6 +200,8 @@ def test_is_supported_with_mask(fake_build):
     assert not flash3.is_supported("bwd", "bf16", 128, False, mask="local")
     assert flash3.is_supported("bwd", "bf16", 128, False, mask="causal")  # mask overrides causal
     assert not flash3.is_supported("fwd", "fp16", 128, False, mask="local")
+    assert flash3.is_supported("fwd", "bf16", 192, True, hdim_v=128)
+    assert not flash3.is_supported("fwd", "bf16", 192, True)
 
 
 def test_check_built_names_the_local_kernel(fake_build):
@@ -211,6 +214,11 @@ def test_check_built_names_the_local_kernel(fake_build):
     with pytest.raises(flash3.KernelNotBuiltError, match=r"^flash3\.attention_varlen: the forward kernel for dtype "
                                                          r"fp16, headdim 128, mask local"):
         interface._check_built("fwd", q.half(), True, "local", "flash3.attention_varlen")
+    q, _, v = _qkv(d=192)
+    interface._check_built("fwd", q, True, v=v[..., :128])
+    with pytest.raises(flash3.KernelNotBuiltError, match=r"the backward kernel for dtype bf16, headdim 192, "
+                                                         r"headdim_v 128, mask causal was not built"):
+        interface._check_built("bwd", q, True, v=v[..., :128])
     assert issubclass(flash3.KernelNotBuiltError, ValueError)
 
 

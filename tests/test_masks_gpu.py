@@ -53,12 +53,14 @@ def _skip_unless_built(dtype, d):
             pytest.skip(f"{kind} {dtype} hdim{d} local mask not in this build")
 
 
-def _inputs(seed, b, sq, sk, h, hk, d, dtype, with_sinks):
+def _inputs(seed, b, sq, sk, h, hk, d, dtype, with_sinks, dv=None):
+    """q, k of head dim d; v and dout of dv (default d)."""
+    dv = d if dv is None else dv
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(b, sq, h, dv, device="cuda", dtype=dtype, generator=g)
     sinks = torch.randn(h, device="cuda", dtype=torch.float32, generator=g) * 2 if with_sinks else None
     return q, k, v, dout, sinks
 

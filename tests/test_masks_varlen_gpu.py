@@ -40,6 +40,13 @@ def test_varlen_options(seed, dtype, d, opts, lengths):
     if dtype == torch.float16 and d not in (64, 128):
         pytest.skip("fp16: head dims 64 and 128 (the kernels are bf16's templates)")
     _skip_unless_built(dtype, d)
+    check_varlen_options(seed, dtype, d, d, opts, lengths)
+
+
+def check_varlen_options(seed, dtype, d, dv, opts, lengths):
+    """A packed batch of seven sequences (empty ones, seqused slack, GQA) with the options
+    opts, q and k of head dim d, v of dv: each sequence against the float64 reference, the
+    rows outside every sequence unwritten."""
     lens_q = [0, 5, 300, 1, 129, 777, 64]
     lens_k = [3, 0, 350, 1, 129, 700, 200]
     if lengths == "long":
@@ -54,15 +61,15 @@ def test_varlen_options(seed, dtype, d, opts, lengths):
     slots_k = [n + s for n, s in zip(lens_k, slack_k)]
     q = torch.randn(sum(slots_q), h, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
     k = torch.randn(sum(slots_k), hk, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
-    v = torch.randn(sum(slots_k), hk, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
-    dout = torch.randn(sum(slots_q), h, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(sum(slots_k), hk, dv, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+    dout = torch.randn(sum(slots_q), h, dv, device="cuda", dtype=dtype, generator=g)
     sinks = (torch.randn(h, device="cuda", generator=g) * 2).requires_grad_() if opts["sinks"] else None
     cu_q, cu_k = _cu(slots_q), _cu(slots_k)
     used_q = torch.tensor(lens_q, dtype=torch.int32, device="cuda")
     used_k = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
     kwargs = dict(causal=opts["causal"], window_size=opts["window_size"], softcap=opts["softcap"])
 
-    poison = [torch.full((sum(slots_q), h, d), float("nan"), device="cuda", dtype=dtype),
+    poison = [torch.full((sum(slots_q), h, dv), float("nan"), device="cuda", dtype=dtype),
               torch.full((h, sum(slots_q)), float("nan"), device="cuda")]
     ptrs = [t.data_ptr() for t in poison]
     del poison
