@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flash3::api {
@@ -28,28 +29,32 @@ __device__ inline void store4(__half* out, float4 s) {
 }
 
 // Thread i writes output elements [4i, 4i + 4) of dK (blockIdx.y 0) or dV (1): the sum,
-// head by head in order, of the group's float32 slices.
+// head by head in order, of the group's float32 slices. dK and dV may differ in head dim.
+struct Slices {
+  float const* heads;
+  void* out;
+  int64_t vectors;
+  int headdim;
+};
+
 template <class Element>
-__global__ void sum_kv_heads_kernel(float const* __restrict__ dk_heads, float const* __restrict__ dv_heads,
-                                    Element* __restrict__ dk, Element* __restrict__ dv, int64_t vectors,
-                                    int headdim, int group) {
+__global__ void sum_kv_heads_kernel(Slices const dk, Slices const dv, int group) {
+  Slices const& t = blockIdx.y == 0 ? dk : dv;
   int64_t const i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= vectors) { return; }
-  float const* heads = blockIdx.y == 0 ? dk_heads : dv_heads;
-  Element* out = blockIdx.y == 0 ? dk : dv;
+  if (i >= t.vectors) { return; }
   int64_t const element = i * 4;
-  int64_t const kv_row = element / headdim;  // (batch, row, K/V head) flattened
-  int const column = int(element % headdim);
-  float const* first = heads + kv_row * group * headdim + column;
+  int64_t const kv_row = element / t.headdim;  // (batch, row, K/V head) flattened
+  int const column = int(element % t.headdim);
+  float const* first = t.heads + kv_row * group * t.headdim + column;
   float4 sum = *reinterpret_cast<float4 const*>(first);
   for (int j = 1; j < group; ++j) {
-    float4 const x = *reinterpret_cast<float4 const*>(first + int64_t(j) * headdim);
+    float4 const x = *reinterpret_cast<float4 const*>(first + int64_t(j) * t.headdim);
     sum.x += x.x;
     sum.y += x.y;
     sum.z += x.z;
     sum.w += x.w;
   }
-  store4(out + element, sum);
+  store4(static_cast<Element*>(t.out) + element, sum);
 }
 
 }  // namespace
@@ -57,23 +62,21 @@ __global__ void sum_kv_heads_kernel(float const* __restrict__ dk_heads, float co
 void sum_kv_heads(at::Tensor const& dk_heads, at::Tensor const& dv_heads, int64_t group, at::Tensor& dk,
                   at::Tensor& dv) {
   TORCH_CHECK(dk_heads.is_contiguous() && dv_heads.is_contiguous() && dk.is_contiguous() && dv.is_contiguous() &&
-                  dk.sizes() == dv.sizes() && dk_heads.numel() == dk.numel() * group && dk.size(-1) % 4 == 0,
+                  dk_heads.numel() == dk.numel() * group && dv_heads.numel() == dv.numel() * group &&
+                  dk.size(-1) % 4 == 0 && dv.size(-1) % 4 == 0 && dk.scalar_type() == dv.scalar_type(),
               "flash3: sum_kv_heads got tensors of unexpected layout");
-  int64_t const vectors = dk.numel() / 4;
+  Slices const k{dk_heads.data_ptr<float>(), dk.data_ptr(), dk.numel() / 4, static_cast<int>(dk.size(-1))};
+  Slices const v{dv_heads.data_ptr<float>(), dv.data_ptr(), dv.numel() / 4, static_cast<int>(dv.size(-1))};
+  int64_t const vectors = std::max(k.vectors, v.vectors);
   if (vectors == 0) { return; }
   int constexpr kThreads = 256;
   dim3 const grid(static_cast<unsigned>((vectors + kThreads - 1) / kThreads), 2);
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream().stream();
-  int const headdim = static_cast<int>(dk.size(-1));
   if (dk.scalar_type() == at::kBFloat16) {
-    sum_kv_heads_kernel<<<grid, kThreads, 0, stream>>>(
-        dk_heads.data_ptr<float>(), dv_heads.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dk.data_ptr()),
-        reinterpret_cast<__nv_bfloat16*>(dv.data_ptr()), vectors, headdim, static_cast<int>(group));
+    sum_kv_heads_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(k, v, static_cast<int>(group));
   } else {
     TORCH_CHECK(dk.scalar_type() == at::kHalf, "flash3: sum_kv_heads writes bf16 or fp16, got ", dk.scalar_type());
-    sum_kv_heads_kernel<<<grid, kThreads, 0, stream>>>(
-        dk_heads.data_ptr<float>(), dv_heads.data_ptr<float>(), reinterpret_cast<__half*>(dk.data_ptr()),
-        reinterpret_cast<__half*>(dv.data_ptr()), vectors, headdim, static_cast<int>(group));
+    sum_kv_heads_kernel<__half><<<grid, kThreads, 0, stream>>>(k, v, static_cast<int>(group));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -8,8 +8,9 @@
 
 namespace flash3::api {
 
-// dk_heads, dv_heads: float32 (batch, rows, nheads, headdim), contiguous. dk, dv:
-// (batch, rows, nheads / group, headdim), contiguous, bf16 or fp16; headdim % 4 == 0.
+// dk_heads, dv_heads: float32 (batch, rows, nheads, headdim), contiguous (dv's headdim
+// may differ from dk's). dk, dv: (batch, rows, nheads / group, headdim), contiguous, bf16
+// or fp16; each headdim % 4 == 0.
 void sum_kv_heads(at::Tensor const& dk_heads, at::Tensor const& dv_heads, int64_t group, at::Tensor& dk,
                   at::Tensor& dv);
 
