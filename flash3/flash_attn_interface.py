@@ -31,8 +31,10 @@ What flash3 runs, and what it does not run yet:
 * :func:`flash_attn_with_kvcache` runs :func:`flash3.attention_with_kvcache`: dense and
   paged caches, the in-place append with rotary embedding, split-KV, GQA packing.
   :func:`get_scheduler_metadata` returns None (flash3 needs none).
+* v of head dim 128 with q and k of 192 (DeepSeek-V3-style attention) runs flash3's
+  kernels for that pair, in bf16 / fp16, dense and variable-length, forward and backward.
 * ``qv``, ``attention_chunk`` other than 0, split-KV in the attention calls
-  (``num_splits`` > 1) and a V head dim different from Q/K's raise
+  (``num_splits`` > 1) and other V head dims different from Q/K's raise
   ``NotImplementedError`` naming the argument, before any other check.
 * ``pack_gqa`` and ``sm_margin`` are tuning hints; flash3 accepts and ignores them
   (flash3 always reads the shared K/V head in place for GQA, and uses every SM).
@@ -286,7 +288,8 @@ def flash_attn_func(
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
-    Head dims: 64, 96, 128, 192, 256 run as they are (64, 128, 256 in float8). Other
+    Head dims: 64, 96, 128, 192, 256 run as they are (64, 128, 256 in float8), and v of
+    head dim 128 with q and k of 192 (bf16 / fp16; the output has v's head dim). Other
     multiples of 8 up to 256 are zero-padded to the next of those (e.g. 80 -> 96,
     112 -> 128, 160 -> 192): q, k and v are copied once into padded tensors, the kernel
     does the work of the padded head dim (80 -> 96 costs about 20% more matmul work), and
