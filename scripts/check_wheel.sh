@@ -32,10 +32,11 @@ assert os.path.realpath(flash3.__file__).startswith(os.path.realpath("$work/venv
 info = flash3.build_info()
 kernels = info.get("kernels")
 assert kernels, info
-expected = {("fwd" if "$FLASH3_KINDS" == "fwd" else k["kind"], k["dtype"], k["hdim"]) for k in kernels}
-wanted = {(kind, dtype, int(h)) for kind in "$FLASH3_KINDS".split(",") for dtype in "$FLASH3_DTYPES".split(",")
-          for h in "$FLASH3_HDIMS".split(",") if dtype != "e4m3"}
-got = {(k["kind"], k["dtype"], k["hdim"]) for k in kernels}
+# "192v128": q/k head dim 192, v's 128; "64": both 64
+hdims = [tuple(map(int, h.split("v"))) if "v" in h else (int(h), int(h)) for h in "$FLASH3_HDIMS".split(",")]
+wanted = {(kind, dtype, d, dv) for kind in "$FLASH3_KINDS".split(",") for dtype in "$FLASH3_DTYPES".split(",")
+          for d, dv in hdims if dtype != "e4m3"}
+got = {(k["kind"], k["dtype"], k["hdim"], k["hdim_v"]) for k in kernels}
 assert got == wanted, (got, wanted)
 print(f"flash3 {flash3.__version__} from {os.path.dirname(flash3.__file__)}: {len(kernels)} kernels, "
       f"CUDA {info['cuda_version']}, CUTLASS {info['cutlass_version']}")
