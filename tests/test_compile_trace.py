@@ -102,7 +102,26 @@ def _combine():
              (_randn(4, 2, 300, 8, D, dtype=torch.float32), _randn(4, 2, 300, 8, dtype=torch.float32)))]
 
 
-FAMILIES = {"dense": _dense, "varlen": _varlen, "kvcache": _kvcache, "combine": _combine}
+def _hdim_v():
+    """q and k of head dim 192, v of 128: the output has v's head dim."""
+    if not all(flash3.is_supported(kind, DT, 192, True, hdim_v=128) for kind in ("fwd", "bwd")):
+        pytest.skip("bf16 (192, 128) kernels not in this build")
+    cu = torch.tensor([0, 7, 300, 301], dtype=torch.int32, device="cuda")
+
+    def dense(q, k, v):
+        out = flash3.attention(q, k, v, causal=True)
+        assert out.shape == (*q.shape[:-1], 128)
+        return out
+
+    return [
+        ("attention (192, 128)", dense, (_randn(2, 300, 8, 192), _randn(2, 300, 2, 192), _randn(2, 300, 2, 128))),
+        ("flash_attn_varlen_func (192, 128)",
+         lambda q, k, v, cu: flash_attn_varlen_func(q, k, v, cu, cu, 293, 293, causal=True),
+         (_randn(301, 8, 192), _randn(301, 2, 192), _randn(301, 2, 128), cu)),
+    ]
+
+
+FAMILIES = {"dense": _dense, "varlen": _varlen, "kvcache": _kvcache, "combine": _combine, "hdim_v": _hdim_v}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
