@@ -23,11 +23,11 @@ namespace flash3 {
 
 constexpr int kPrepostThreads = 256;
 
-// Preprocess: a row of O and dO is read by a group of lanes, 16 bytes (8 elements) each,
-// so that a warp has several rows' loads in flight: kLanesPerRow is the power of two at or
-// above d / 8 (8 lanes at hdim 64, 16 at 96/128, 32 at 192/256). One lane per 4 bytes,
-// one row per warp, ran at half the copy bandwidth (measured: 70-110 us at 16k tokens x
-// 2048 hidden, 10-15% of a 512-token backward).
+// Preprocess: a row of O and dO (headdim_v columns) is read by a group of lanes, 16 bytes
+// (8 elements) each, so that a warp has several rows' loads in flight: kLanesPerRow is the
+// power of two at or above dv / 8 (8 lanes at hdim 64, 16 at 96/128, 32 at 192/256). One
+// lane per 4 bytes, one row per warp, ran at half the copy bandwidth (measured: 70-110 us
+// at 16k tokens x 2048 hidden, 10-15% of a 512-token backward).
 CUTLASS_HOST_DEVICE constexpr int prepost_lanes_per_row(int headdim) {
   return headdim <= 64 ? 8 : headdim <= 128 ? 16 : 32;
 }
@@ -35,7 +35,7 @@ CUTLASS_HOST_DEVICE constexpr int prepost_lanes_per_row(int headdim) {
 template <class Element>
 __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdParams const params) {
   constexpr int kVec = 16 / sizeof(Element);
-  int const lanes_per_row = prepost_lanes_per_row(params.headdim);
+  int const lanes_per_row = prepost_lanes_per_row(params.headdim_v);
   int const rows_per_block = kPrepostThreads / lanes_per_row;
   int const group_lane = threadIdx.x % lanes_per_row;
   int const row = blockIdx.x * rows_per_block + threadIdx.x / lanes_per_row;
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
                     o_row * params.o_row_stride + head * params.o_head_stride;
     auto const* dout = static_cast<Element const*>(params.do_ptr) + seq.batch * params.do_batch_stride +
                        o_row * params.do_row_stride + head * params.do_head_stride;
-    for (int col = group_lane * kVec; col < params.headdim; col += lanes_per_row * kVec) {
+    for (int col = group_lane * kVec; col < params.headdim_v; col += lanes_per_row * kVec) {
       auto const o8 = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + col);
       auto const do8 = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + col);
       CUTLASS_PRAGMA_UNROLL
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
 
 template <class Element>
 cudaError_t run_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
-  int const rows_per_block = kPrepostThreads / prepost_lanes_per_row(params.headdim);
+  int const rows_per_block = kPrepostThreads / prepost_lanes_per_row(params.headdim_v);
   // Each sequence's rows, padded (seqlen.h; for dense batches, seqlen_q_padded).
   int const rows = (params.seqlen_q + kVarlenRowPad - 1) / kVarlenRowPad * kVarlenRowPad;
   dim3 const grid((rows + rows_per_block - 1) / rows_per_block, params.nheads, params.batch);
