@@ -26,21 +26,29 @@ struct EpilogueBwd {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
 
-  using SmemLayoutdKV = typename Traits::SmemLayoutK;  // staged where K and V were
-  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  // dK is staged where K was, dV where V was, in their layouts.
+  using SmemLayoutdK = typename Traits::SmemLayoutK;
+  using SmemLayoutdV = typename Traits::SmemLayoutV;
+  using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>>;
 
-  static auto make_tma_dkv(Element* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
-    return make_tma(SM90_TMA_STORE{}, ptr, shape, stride, SmemLayoutdKV{}, TileShapedKV{});
+  static auto make_tma_dk(Element* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_STORE{}, ptr, shape, stride, SmemLayoutdK{}, TileShapedK{});
   }
-  using TmadKV = decltype(make_tma_dkv(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
+  static auto make_tma_dv(Element* ptr, ShapeRowsHead const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_STORE{}, ptr, shape, stride, SmemLayoutdV{}, TileShapedV{});
+  }
+  using TmadK = decltype(make_tma_dk(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
+  using TmadV = decltype(make_tma_dv(nullptr, ShapeRowsHead{}, StrideRowsHead{}));
 
   struct Params {
     // 16-bit outputs (fp32_out false); with fp32_out these describe the same memory as
     // 16-bit elements and are never used.
-    TmadKV tma_dk;
-    TmadKV tma_dv;
-    ShapeRowsHead shape_dkv;
+    TmadK tma_dk;
+    TmadV tma_dv;
+    ShapeRowsHead shape_dkv;  // dK's; dV's has head dim kHeadDimV (with_head_dim_v)
     void* dk_ptr;
     void* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -53,12 +61,19 @@ struct EpilogueBwd {
   static Params to_params(BwdParams const& p) {
     int const nheads_dkv = p.dkv_is_fp32 ? p.nheads : p.nheads_k;
     ShapeRowsHead shape_dkv = rows_head_shape(p.rows_k(), p.headdim, nheads_dkv, p.tensor_batch());
-    return {make_tma_dkv(static_cast<Element*>(p.dk_ptr), shape_dkv,
-                         rows_head_stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride)),
-            make_tma_dkv(static_cast<Element*>(p.dv_ptr), shape_dkv,
-                         rows_head_stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)),
+    ShapeRowsHead shape_dv = rows_head_shape(p.rows_k(), p.headdim_v, nheads_dkv, p.tensor_batch());
+    return {make_tma_dk(static_cast<Element*>(p.dk_ptr), shape_dkv,
+                        rows_head_stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride)),
+            make_tma_dv(static_cast<Element*>(p.dv_ptr), shape_dv,
+                        rows_head_stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)),
             shape_dkv, p.dk_ptr, p.dv_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
             p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.softmax_scale, p.dkv_is_fp32, p.is_varlen()};
+  }
+
+  // dV has dK's rows, heads and batch, with V's head dim: the device side derives its
+  // shape (for the TMA coordinate tensor) rather than keep another.
+  CUTLASS_HOST_DEVICE static ShapeRowsHead with_head_dim_v(ShapeRowsHead const& shape) {
+    return replace<1>(shape, int32_t(kHeadDimV));
   }
 
   template <class Out, class TensorAcc, class TensorC>
@@ -83,8 +98,8 @@ struct EpilogueBwd {
 
   // smem_k, smem_v: the CTA's K and V tiles, which both consumer warpgroups have finished
   // reading once they pass the first barrier below.
-  template <class TensordKV>
-  CUTLASS_DEVICE static void store(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV, Element* smem_k,
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void store(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV, Element* smem_k,
                                    Element* smem_v, int thread_idx, int n_block, int head, Seq const& seq) {
     if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
       // (In a packed batch the rows past the sequence's last key are the next sequence's.)
@@ -94,37 +109,39 @@ struct EpilogueBwd {
     }
   }
 
-  template <class TensordKV>
-  CUTLASS_DEVICE static void store_tma(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void store_tma(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV,
                                        Element* smem_k, Element* smem_v, int thread_idx, int n_block, int head,
                                        Seq const& seq) {
     constexpr int kConsumerThreads = Traits::kConsumerThreads;
     // The last dQ GEMM of either warpgroup reads all of K: K and V are dead only when both
     // are done.
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // LOCK sK, sV
-    typename Traits::TiledMmadKV tiled_mma_dkv;
-    Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutdKV{});
-    Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutdKV{});
-    auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_dkv);
-    auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread_idx);
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutdK{});
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutdV{});
+    auto smem_tiled_copy_dk = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadK{});
+    auto smem_tiled_copy_dv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadV{});
+    auto smem_thr_copy_dk = smem_tiled_copy_dk.get_thread_slice(thread_idx);
+    auto smem_thr_copy_dv = smem_tiled_copy_dv.get_thread_slice(thread_idx);
     {
       Tensor rdK = make_tensor<Element>(tdKrdK.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) { rdK(i) = static_cast<Element>(tdKrdK(i) * params.softmax_scale); }
-      copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sdK));
+      copy(smem_tiled_copy_dk, smem_thr_copy_dk.retile_S(rdK), smem_thr_copy_dk.partition_D(sdK));
       Tensor rdV = make_tensor<Element>(tdVrdV.layout());
       convert_into(tdVrdV, rdV);
-      copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sdV));
+      copy(smem_tiled_copy_dv, smem_thr_copy_dv.retile_S(rdV), smem_thr_copy_dv.partition_D(sdV));
     }
     // The tiles were written through the generic proxy; TMA reads through the async proxy.
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // the whole tiles are staged
     if (thread_idx == 0) {
       auto const rows = make_coord(seq.offset_k, _0{});
+      ShapeRowsHead const shape_dv = with_head_dim_v(params.shape_dkv);
       Tensor mdK = domain_offset(rows, params.tma_dk.get_tma_tensor(params.shape_dkv)(_, _, head, seq.batch));  // (seqlen_k, d)
-      Tensor mdV = domain_offset(rows, params.tma_dv.get_tma_tensor(params.shape_dkv)(_, _, head, seq.batch));  // (seqlen_k, d)
-      Tensor gdK = local_tile(mdK, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
-      Tensor gdV = local_tile(mdV, TileShapedKV{}, make_coord(n_block, _0{}));  // (N, d)
+      Tensor mdV = domain_offset(rows, params.tma_dv.get_tma_tensor(shape_dv)(_, _, head, seq.batch));          // (seqlen_k, dv)
+      Tensor gdK = local_tile(mdK, TileShapedK{}, make_coord(n_block, _0{}));  // (N, d)
+      Tensor gdV = local_tile(mdV, TileShapedV{}, make_coord(n_block, _0{}));  // (N, dv)
       auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK),
                                             group_modes<0, 2>(gdK));
       auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV),
@@ -136,14 +153,15 @@ struct EpilogueBwd {
     }
   }
 
-  template <class TensordKV>
-  CUTLASS_DEVICE static void store_direct(Params const& params, TensordKV const& tdKrdK, TensordKV const& tdVrdV,
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void store_direct(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV,
                                           int thread_idx, int n_block, int head, Seq const& seq) {
-    typename Traits::TiledMmadKV tiled_mma_dkv;
-    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
-    Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);
-    Tensor coord_rowcol = make_tensor(tdKVcdKV.data(), accumulator_rowcol(tdKVcdKV.layout()));
+    auto thr_mma_dk = typename Traits::TiledMmadK{}.get_thread_slice(thread_idx);
+    auto thr_mma_dv = typename Traits::TiledMmadV{}.get_thread_slice(thread_idx);
+    Tensor tdKcdK = thr_mma_dk.partition_C(make_identity_tensor(TileShapedK{}));
+    Tensor tdVcdV = thr_mma_dv.partition_C(make_identity_tensor(TileShapedV{}));
+    Tensor coord_rowcol_dk = make_tensor(tdKcdK.data(), accumulator_rowcol(tdKcdK.layout()));
+    Tensor coord_rowcol_dv = make_tensor(tdVcdV.data(), accumulator_rowcol(tdVcdV.layout()));
     Tensor dK_rowcol = make_tensor(tdKrdK.data(), accumulator_rowcol(tdKrdK.layout()));
     Tensor dV_rowcol = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
     int const row0 = n_block * kBlockN;
@@ -152,14 +170,14 @@ struct EpilogueBwd {
     int64_t const dv_offset =
         seq.batch * params.dv_batch_stride + head * params.dv_head_stride + int64_t(seq.offset_k) * params.dv_row_stride;
     if (params.fp32_out) {
-      store_one(dK_rowcol, coord_rowcol, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
+      store_one(dK_rowcol, coord_rowcol_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
                 seq.seqlen_k, params.softmax_scale);
-      store_one(dV_rowcol, coord_rowcol, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
+      store_one(dV_rowcol, coord_rowcol_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
                 seq.seqlen_k, 1.f);
     } else {
-      store_one(dK_rowcol, coord_rowcol, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
+      store_one(dK_rowcol, coord_rowcol_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
                 seq.seqlen_k, params.softmax_scale);
-      store_one(dV_rowcol, coord_rowcol, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
+      store_one(dV_rowcol, coord_rowcol_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
                 seq.seqlen_k, 1.f);
     }
   }

@@ -154,7 +154,8 @@ struct FlashBwdKernel {
       pipeline_params.is_leader = 0;
     }
     PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-    static_assert(Traits::kBytesdO == Traits::kBytesQ);
+    // dO's stages carry fewer bytes than Q's where V's head dim is the smaller.
+    pipeline_params.transaction_bytes = Traits::kBytesdO;
     PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
@@ -176,10 +177,10 @@ struct FlashBwdKernel {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       PipelineState read_q, read_do;
-      Tensor tdKrdK = partition_fragment_C(typename Traits::TiledMmadKV{},
-                                           select<0, 1>(typename Traits::TileShapedKV{}));
-      Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadKV{},
-                                           select<0, 1>(typename Traits::TileShapedKV{}));
+      Tensor tdKrdK = partition_fragment_C(typename Traits::TiledMmadK{},
+                                           select<0, 1>(typename Traits::TileShapedK{}));
+      Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadV{},
+                                           select<0, 1>(typename Traits::TileShapedV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
                     read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
       Seq const seq = seqs.at(tile.batch);

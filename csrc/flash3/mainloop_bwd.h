@@ -26,8 +26,10 @@ struct MainloopBwd {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kConsumerThreads = Traits::kConsumerThreads;
   using TileShapeSdP = typename Traits::TileShapeSdP;
+  using TileShapedP = typename Traits::TileShapedP;
   using TileShapedQ = typename Traits::TileShapedQ;
   using SmemLayoutQ = typename Traits::SmemLayoutQ;
   using SmemLayoutdO = typename Traits::SmemLayoutdO;
@@ -40,9 +42,10 @@ struct MainloopBwd {
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
   static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
-  // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h); the row statistics as
-  // (seqlen_q_padded, head, batch), contiguous. Packed batches (seqlen.h): batch 1, each
-  // sequence's rows from its offset (its padded offset in the row statistics).
+  // Q, K, V, dO as (seqlen, headdim, head, batch) (tma.h; headdim_v for V and dO); the
+  // row statistics as (seqlen_q_padded, head, batch), contiguous. Packed batches
+  // (seqlen.h): batch 1, each sequence's rows from its offset (its padded offset in the
+  // row statistics).
   using ShapeQKV = ShapeRowsHead;
   using ShapeRow = Shape<int32_t, int32_t, int32_t>;
   using StrideRow = Stride<_1, int64_t, int64_t>;
@@ -50,15 +53,28 @@ struct MainloopBwd {
   static auto make_tma_q(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(SmemLayoutQ{}), select<0, 2>(TileShapeSdP{}));
   }
+  static auto make_tma_do(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 2>(SmemLayoutdO{}), select<0, 2>(TileShapedP{}));
+  }
   static auto make_tma_k(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, SmemLayoutK{}, select<1, 2>(TileShapeSdP{}));
+  }
+  static auto make_tma_v(Element const* ptr, ShapeQKV const& shape, StrideRowsHead const& stride) {
+    return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, SmemLayoutV{}, select<1, 2>(TileShapedP{}));
   }
   static auto make_tma_row(float const* ptr, ShapeRow const& shape, StrideRow const& stride) {
     return make_tma(SM90_TMA_LOAD{}, ptr, shape, stride, take<0, 1>(SmemLayoutRow{}), Shape<Int<kBlockM>>{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, ShapeQKV{}, StrideRowsHead{}));
+  using TmadO = decltype(make_tma_do(nullptr, ShapeQKV{}, StrideRowsHead{}));
   using TmaK = decltype(make_tma_k(nullptr, ShapeQKV{}, StrideRowsHead{}));
+  using TmaV = decltype(make_tma_v(nullptr, ShapeQKV{}, StrideRowsHead{}));
   using TmaRow = decltype(make_tma_row(nullptr, ShapeRow{}, StrideRow{}));
+  // dO has Q's rows, heads and batch, V has K's, both with V's head dim: the device side
+  // derives their shapes (for the TMA coordinate tensors) rather than keep two more.
+  CUTLASS_HOST_DEVICE static ShapeQKV with_head_dim_v(ShapeQKV const& shape) {
+    return replace<1>(shape, int32_t(kHeadDimV));
+  }
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -109,9 +125,9 @@ struct MainloopBwd {
 
   struct Params : Options {
     TmaQ tma_q;
-    TmaQ tma_do;
+    TmadO tma_do;
     TmaK tma_k;
-    TmaK tma_v;
+    TmaV tma_v;
     TmaRow tma_lse;
     TmaRow tma_dpsum;
     ShapeQKV shape_q;
@@ -129,16 +145,18 @@ struct MainloopBwd {
   static Params to_params(BwdParams const& p) {
     ShapeQKV shape_q = rows_head_shape(p.rows_q(), p.headdim, p.nheads, p.tensor_batch());
     ShapeQKV shape_k = rows_head_shape(p.rows_k(), p.headdim, p.nheads_k, p.tensor_batch());
+    ShapeQKV shape_do = rows_head_shape(p.rows_q(), p.headdim_v, p.nheads, p.tensor_batch());
+    ShapeQKV shape_v = rows_head_shape(p.rows_k(), p.headdim_v, p.nheads_k, p.tensor_batch());
     ShapeRow shape_row = make_shape(p.seqlen_q_padded, p.nheads, p.tensor_batch());
     StrideRow stride_row = make_stride(_1{}, int64_t(p.seqlen_q_padded), int64_t(p.seqlen_q_padded) * p.nheads);
     return {Options::make(p),
             make_tma_q(static_cast<Element const*>(p.q_ptr), shape_q,
                        rows_head_stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride)),
-            make_tma_q(static_cast<Element const*>(p.do_ptr), shape_q,
-                       rows_head_stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride)),
+            make_tma_do(static_cast<Element const*>(p.do_ptr), shape_do,
+                        rows_head_stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride)),
             make_tma_k(static_cast<Element const*>(p.k_ptr), shape_k,
                        rows_head_stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride)),
-            make_tma_k(static_cast<Element const*>(p.v_ptr), shape_k,
+            make_tma_v(static_cast<Element const*>(p.v_ptr), shape_v,
                        rows_head_stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride)),
             make_tma_row(p.lse_log2_ptr, shape_row, stride_row),
             make_tma_row(p.dpsum_ptr, shape_row, stride_row),
@@ -222,16 +240,18 @@ struct MainloopBwd {
     auto const q_rows = make_coord(seq.offset_q, _0{});
     auto const k_rows = make_coord(seq.offset_k, _0{});
     auto const stat_rows = make_coord(seq.offset_q_padded);
+    ShapeQKV const shape_do = with_head_dim_v(params.shape_q);
+    ShapeQKV const shape_v = with_head_dim_v(params.shape_k);
     Tensor mQ = domain_offset(q_rows, params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, seq.batch));     // (seqlen_q, d)
-    Tensor mdO = domain_offset(q_rows, params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, seq.batch));   // (seqlen_q, d)
+    Tensor mdO = domain_offset(q_rows, params.tma_do.get_tma_tensor(shape_do)(_, _, head, seq.batch));         // (seqlen_q, dv)
     Tensor mK = domain_offset(k_rows, params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
-    Tensor mV = domain_offset(k_rows, params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch));  // (seqlen_k, d)
+    Tensor mV = domain_offset(k_rows, params.tma_v.get_tma_tensor(shape_v)(_, _, head_kv, seq.batch));         // (seqlen_k, dv)
     Tensor mLSE = domain_offset(stat_rows, params.tma_lse.get_tma_tensor(params.shape_row)(_, head, seq.batch));      // (seqlen_q_padded)
     Tensor mdPsum = domain_offset(stat_rows, params.tma_dpsum.get_tma_tensor(params.shape_row)(_, head, seq.batch));  // (seqlen_q_padded)
     Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));      // (M, d, m)
-    Tensor gdO = local_tile(mdO, select<0, 2>(TileShapeSdP{}), make_coord(_, _0{}));    // (M, d, m)
+    Tensor gdO = local_tile(mdO, select<0, 2>(TileShapedP{}), make_coord(_, _0{}));    // (M, dv, m)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeSdP{}), make_coord(n_block, _0{}));  // (N, d)
-    Tensor gV = local_tile(mV, select<1, 2>(TileShapeSdP{}), make_coord(n_block, _0{}));  // (N, d)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapedP{}), make_coord(n_block, _0{}));   // (N, dv)
     Tensor gLSE = local_tile(mLSE, Shape<Int<kBlockM>>{}, make_coord(_));      // (M, m)
     Tensor gdPsum = local_tile(mdPsum, Shape<Int<kBlockM>>{}, make_coord(_));  // (M, m)
 
@@ -279,11 +299,11 @@ struct MainloopBwd {
   }
 
   // Consumers: accumulate this thread's share of dK (unscaled) and dV for the key tile.
-  template <class TensordKV>
+  template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma(Params const& params, SharedStorage& storage,
                                  PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                  PipelineState& read_q, PipelineState& read_do,
-                                 TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                 TensordK& tdKrdK, TensordV& tdVrdV,
                                  int thread_idx, int n_block, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
@@ -333,11 +353,11 @@ struct MainloopBwd {
 
   // The two schedules of the consumers (kSplitKeys: mainloop_bwd_split_keys.h; otherwise
   // mainloop_bwd_lockstep.h).
-  template <class TensordKV>
+  template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma_split_keys(Params const& params, SharedStorage& storage,
                                             PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                             PipelineState& read_q, PipelineState& read_do,
-                                            TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                            TensordK& tdKrdK, TensordV& tdVrdV,
                                             int thread_idx, int n_block, int m_begin, int m_end,
                                             Seq const& seq);
 
@@ -388,18 +408,20 @@ struct MainloopBwd {
     storage.barrier_dq_full[stage_q][warpgroup].arrive();  // UNLOCK sdQ half: to the dQ warp
   }
 
-  template <class TensordKV>
+  template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma_lockstep(Params const& params, SharedStorage& storage,
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                           PipelineState& read_q, PipelineState& read_do,
-                                          TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                          TensordK& tdKrdK, TensordV& tdVrdV,
                                           int thread_idx, int n_block, int m_begin, int m_end,
                                           Seq const& seq);
 
   static constexpr int kDqBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
-  // One Q (or dO) stage; stage s starts s of these into smem_q (smem_do).
+  // One Q stage; stage s starts s of these into smem_q. Without kDqViaSmem, dQ halves go
+  // over dO stages too, which are then as large (kHeadDimV == kHeadDim, traits_bwd.h).
   static constexpr int kStageElements = kBlockM * kHeadDim;
   static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
+  static_assert(Traits::kDqViaSmem || cute::cosize_v<SmemLayoutdO> == Traits::kStages * kStageElements);
 
   // The dQ warp (dq_writer_bwd.h).
   // Without kDqViaSmem the dO half (warpgroup 1's) is handed over first (mma_lockstep).

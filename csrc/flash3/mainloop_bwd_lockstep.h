@@ -14,19 +14,21 @@ using namespace cute;
 // Without kSplitKeys: the warpgroups split the keys for S and dP but the head dim for
 // dV, dK and dQ, so P and dS both go through shared memory, a barrier each per tile.
 template <class Traits, class Mask>
-template <class TensordKV>
+template <class TensordK, class TensordV>
 CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params, SharedStorage& storage,
                                         PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                         PipelineState& read_q, PipelineState& read_do,
-                                        TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                        TensordK& tdKrdK, TensordV& tdVrdV,
                                         int thread_idx, int n_block, int m_begin, int m_end,
                                         Seq const& seq) {
 
   typename Traits::TiledMmaSdP tiled_mma_sdp;
-  typename Traits::TiledMmadKV tiled_mma_dkv;
+  typename Traits::TiledMmadK tiled_mma_dk;
+  typename Traits::TiledMmadV tiled_mma_dv;
   typename Traits::TiledMmadQ tiled_mma_dq;
   auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
-  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
+  auto thr_mma_dk = tiled_mma_dk.get_thread_slice(thread_idx);
+  auto thr_mma_dv = tiled_mma_dv.get_thread_slice(thread_idx);
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
 
   Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
@@ -45,12 +47,12 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
 
   Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);       // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);       // (MMA, MMA_N, MMA_K)
-  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);    // (MMA, MMA_M, MMA_K, PIPE)
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);    // (MMA, MMA_M, MMA_K, PIPE): K over dv
   Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);      // (MMA, MMA_N, MMA_K)
-  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);    // (MMA, MMA_M, MMA_K, PDS)
-  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, PIPE)
-  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, PDS)
-  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, PIPE)
+  Tensor tdVrPt = thr_mma_dv.partition_fragment_A(sPt);     // (MMA, MMA_M, MMA_K, PDS)
+  Tensor tdVrdOt = thr_mma_dv.partition_fragment_B(sdOt);   // (MMA, MMA_N, MMA_K, PIPE): N over dv / 2
+  Tensor tdKrdSt = thr_mma_dk.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, PDS)
+  Tensor tdKrQt = thr_mma_dk.partition_fragment_B(sQt);     // (MMA, MMA_N, MMA_K, PIPE)
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, PDS)
   Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
   // Where this thread's S accumulator elements go in sP / sdS.
@@ -108,7 +110,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
     // warpgroups before either reads the buffer.
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(kConsumerThreads, NamedBarrier::PFull);
-    warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt(_, _, _, pds), tdVrdOt(_, _, _, read_do.index()), tdVrdV);
+    warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dv, tdVrPt(_, _, _, pds), tdVrdOt(_, _, _, read_do.index()), tdVrdV);
 
     // dS = P * (dP - dPsum).
     warpgroup_wait<1>();  // dP done; dV may still run
@@ -140,7 +142,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
 
     Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
     if constexpr (Traits::kDqViaSmem) {
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dk, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
       warpgroup_wait<0>();
       hand_over_dq(storage, tdQrdQ, thread_idx, m_block == m_begin, read_q.index(), read_do.index());
@@ -151,7 +153,7 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params
       // over while dK runs; the dQ warp reduces that half first (store_dq).
       int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, pds), tdQrKt, tdQrdQ);
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_dk, tdKrdSt(_, _, _, pds), tdKrQt(_, _, _, read_q.index()), tdKrdK);
       // Each stage goes back to the producer as soon as this warpgroup's GEMMs are done
       // with it; the producer also waits for the dQ warp to have read the dQ half
       // written over it (barrier_dq_read).

@@ -17,16 +17,18 @@ using namespace cute;
 // issued two tiles late, so the warpgroups never wait for each other and can take
 // turns on the tensor cores (pingpong).
 template <class Traits, class Mask>
-template <class TensordKV>
+template <class TensordK, class TensordV>
 CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& params, SharedStorage& storage,
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
                                           PipelineState& read_q, PipelineState& read_do,
-                                          TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                          TensordK& tdKrdK, TensordV& tdVrdV,
                                           int thread_idx, int n_block, int m_begin, int m_end,
                                           Seq const& seq) {
 
   typename Traits::TiledMmaSdP tiled_mma_sdp;
-  typename Traits::TiledMmadKV tiled_mma_dkv;
+  // dK and dV: one tiled MMA (kSplitKeys has kHeadDimV == kHeadDim, traits_bwd.h).
+  typename Traits::TiledMmadK tiled_mma_dkv;
+  static_assert(std::is_same_v<typename Traits::TiledMmadK, typename Traits::TiledMmadV>);
   typename Traits::TiledMmadQ tiled_mma_dq;
   auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
   auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);

@@ -1,5 +1,5 @@
-// Per (element type, head dim) tile shapes, shared-memory layouts and tiled MMAs of the
-// backward kernel. Everything here is a compile-time type; no code runs.
+// Per (element type, head dim, head dim of V) tile shapes, shared-memory layouts and tiled
+// MMAs of the backward kernel. Everything here is a compile-time type; no code runs.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,9 +16,12 @@ using namespace cute;
 // A CTA owns one key tile (kBlockN rows of K and V) and walks the query tiles
 // (kBlockM rows of Q and dO) that see it. Per query tile, five GEMMs:
 //   S  = Q K^T    dP = dO V^T        (kBlockM x kBlockN)
-//   dV += P^T dO  dK += dS^T Q       (kBlockN x d)
+//   dV += P^T dO                     (kBlockN x dv)
+//   dK += dS^T Q                     (kBlockN x d)
 //   dQ  = dS K                       (kBlockM x d): the warpgroups split the rows
 //                                     (hdim 64 non-causal) or the head dim
+// d is the head dim of Q and K, dv that of V, O and dO (d, or less: DeepSeek-V3-style
+// 192 / 128, lockstep schedule only).
 // hdim <= 128 (kSplitKeys, 128 keys): each consumer warpgroup owns 64 keys for the first
 // four GEMMs. It computes S^T and dP^T, so P^T and dS^T stay in registers as the A
 // operands of dV and dK; only dS goes through shared memory, for dQ, which needs the
@@ -33,6 +36,7 @@ using namespace cute;
 //   128     64     128      128      64    32        yes
 //   192     64      64       96      32    48        no   (with 128 keys dK+dV+S+dP
 //   256     64      64      128      32    64        no    would need 256 registers)
+//   192/128 64      64       80      32    48        no   (dV: 64 x 128)
 template <int kHeadDim>
 struct BwdTileConfig {
   static constexpr int kBlockM = bwd_block_m(kHeadDim);
@@ -46,7 +50,7 @@ struct BwdKernelTraits {
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static_assert(kHeadDimV == kHeadDim, "a V head dim of its own: not yet in the backward");
+  static_assert(kHeadDimV % 32 == 0, "each warpgroup's half of dV is whole 16-column swizzle atoms");
   static constexpr bool kIsCausal = kIsCausal_;
 
   using Config = BwdTileConfig<kHeadDim>;
@@ -84,6 +88,11 @@ struct BwdKernelTraits {
   // Registers at hdim 128: dK + dV 128, S^T + dP^T 64, dQ 32.
   static constexpr bool kSplitKeys = kHeadDim <= 128;
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
+  static_assert(!kSplitKeys || kHeadDimV == kHeadDim,
+                "a head dim of V other than Q's and K's is built for the lockstep schedule only (hdim > 128): "
+                "mma_split_keys issues dK and dV with one tiled MMA");
+  static_assert(kDqViaSmem || kHeadDimV == kHeadDim,
+                "dQ over the Q/dO stages needs dO stages as large as Q's (kHeadDimV == kHeadDim)");
 
   // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h): at hdim 64,
   // against direct stores from registers, +1..+7% (docs/performance.md). One CTA per key
@@ -95,9 +104,11 @@ struct BwdKernelTraits {
   using AtomLayoutSplitM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
 
   // S = Q K^T and dP = dO V^T: all operands K-major (head dim contiguous). The loads
-  // tile by TileShapeSdP; with kSplitKeys the MMA computes the transposes (TileShapeSdPt,
-  // A = K or V, B = Q or dO), each warpgroup 64 of the keys.
+  // tile by TileShapeSdP (Q, K) and TileShapedP (dO, V); with kSplitKeys the MMA computes
+  // the transposes (TileShapeSdPt, A = K or V, B = Q or dO), each warpgroup 64 of the keys.
+  // One tiled MMA serves both: a 16-bit WGMMA atom is 16 deep whatever the head dim.
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapedP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDimV>>;
   using TileShapeSdPt = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;
   using TiledMmaSdP = std::conditional_t<kSplitKeys,
       decltype(make_tiled_mma(
@@ -110,17 +121,21 @@ struct BwdKernelTraits {
   // K-major for the other GEMMs, i.e. MN-major operands (fine for 16-bit WGMMA). With
   // kSplitKeys, P^T and dS^T come from registers and each warpgroup covers its keys and
   // the whole head dim; otherwise they are MN-major views of shared memory and each
-  // warpgroup covers all keys and half the head dim.
-  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;
-  using TiledMmadKV = std::conditional_t<kSplitKeys,
+  // warpgroup covers all keys and half the head dim (of V for dV, of K for dK).
+  template <int kCols>
+  using TiledMmadKVOf = std::conditional_t<kSplitKeys,
       decltype(make_tiled_mma(
-          GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+          GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kCols>, Int<kBlockM>>,
                                GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutSplitM{})),
       decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kCols / 2>, Int<kBlockM>>,
                                GMMA::Major::MN, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
+  using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;
+  using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kBlockM>>;
+  using TiledMmadK = TiledMmadKVOf<kHeadDim>;
+  using TiledMmadV = TiledMmadKVOf<kHeadDimV>;
   // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
   // With 128-row query tiles (hdim 64) the warpgroups split the rows, 64 each, so every
   // WGMMA has N = d = 64. Split by head dim its N is 32, and a WGMMA that narrow is bound
@@ -140,23 +155,33 @@ struct BwdKernelTraits {
                                kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
 
-  // Q, dO, K, V: (rows, d) with d contiguous. Where a GEMM splits the head dim (dV and dK
-  // without kSplitKeys, dQ without kDqSplitRows) each warpgroup reads d / 2 columns of
-  // them as MN-major operands, so a swizzle atom must not straddle the halves: the atom is
-  // the widest of 64/32/16 elements that divides the columns a warpgroup reads.
-  static constexpr int kOperandColumns = kSplitKeys && kDqSplitRows ? kHeadDim : kHeadDim / 2;
-  using SmemAtomD = std::conditional_t<
-      kOperandColumns % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-      std::conditional_t<kOperandColumns % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>,
+  // Q, dO, K, V: (rows, d) with d contiguous (dv for dO and V). Where a GEMM splits the
+  // head dim (dV and dK without kSplitKeys, dQ without kDqSplitRows) each warpgroup reads
+  // d / 2 columns of them as MN-major operands, so a swizzle atom must not straddle the
+  // halves: the atom is the widest of 64/32/16 elements that divides the columns a
+  // warpgroup reads. dO and V get theirs from dv (dV splits dO's columns as dK splits
+  // Q's): at 192 / 128, 64-element atoms for dO and V, 32-element ones for Q and K.
+  template <int kColumns>
+  using SmemAtomOf = std::conditional_t<
+      kColumns % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kColumns % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>,
                          GMMA::Layout_K_SW32_Atom<Element>>>;
+  static constexpr int kOperandColumns = kSplitKeys && kDqSplitRows ? kHeadDim : kHeadDim / 2;
+  static constexpr int kOperandColumnsV = kSplitKeys && kDqSplitRows ? kHeadDimV : kHeadDimV / 2;
+  using SmemAtomD = SmemAtomOf<kOperandColumns>;
+  using SmemAtomDv = SmemAtomOf<kOperandColumnsV>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomDv{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomDv{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  static_assert(kHeadDimV != kHeadDim || (std::is_same_v<SmemLayoutdO, SmemLayoutQ> &&
+                                          std::is_same_v<SmemLayoutV, SmemLayoutK>),
+                "equal head dims: dO and V are laid out as Q and K");
   // Transposed views: (d, rows[, stage]).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
 
@@ -197,9 +222,10 @@ struct BwdKernelTraits {
   using PipelinedO = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
+  // Per pipeline stage: the tile and its row statistic (lse beside Q, dPsum beside dO).
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBlockM * sizeof(float);
-  static constexpr uint32_t kBytesdO = kBytesQ;
-  static constexpr uint32_t kBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdO = kBlockM * kHeadDimV * sizeof(Element) + kBlockM * sizeof(float);
+  static constexpr uint32_t kBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);
 };
 
 }  // namespace flash3
