@@ -17,14 +17,14 @@
 
 using namespace flash3;
 
-template <class E, int D, class M, bool S>
+template <class E, int D, class M, bool S, int DV = D>
 void fwd(char const* name) {
-  using T = KernelTraits<E, D, M::kIsCausal, S>;
+  using T = KernelTraits<E, D, M::kIsCausal, S, DV>;
   using K = FlashFwdKernel<T, M>;
-  std::printf("fwd %s hdim=%d causal=%d short=%d maxlen=%d WG=%d M=%d N=%d stages=%d persistent=%d pingpong=%d "
+  std::printf("fwd %s hdim=%d hdim_v=%d causal=%d short=%d maxlen=%d WG=%d M=%d N=%d stages=%d persistent=%d pingpong=%d "
               "tmastoreO=%d OinKV=%d smemOsep=%d qstages=%d releaseQ=%d softmaxUnderPv=%d lazy=%d introwmax=%d "
               "tail=%d regs=%d/%d smem=%d threads=%d\n",
-              name, D, int(M::kIsCausal), int(S), S ? kShortSeqMaxSeqlen<D, M::kIsCausal> : -1,
+              name, D, DV, int(M::kIsCausal), int(S), S ? kShortSeqMaxSeqlen<D, M::kIsCausal> : -1,
               T::kConsumerWarpgroups, T::kBlockM, T::kBlockN, T::kStages, int(T::kPersistent), int(T::kPingpong),
               int(T::kTmaStoreO), int(T::kOInKVStages), int(T::kSmemOSeparate), T::kQStages,
               int(T::kReleaseQAfterEpilogue), int(T::kSoftmaxUnderPv), int(T::kLazyRescale), int(T::kIntRowMax),
@@ -46,12 +46,12 @@ void fp8() {
               int(T::kOInKVStages), int(K::kTailBalanced), int(K::kSharedStorageSize), int(K::kThreads));
 }
 
-template <class E, int D, class M>
+template <class E, int D, class M, int DV = D>
 void bwd(char const* name) {
-  using T = BwdKernelTraits<E, D, M::kIsCausal>;
+  using T = BwdKernelTraits<E, D, M::kIsCausal, DV>;
   using K = FlashBwdKernel<T, M>;
-  std::printf("bwd %s hdim=%d causal=%d M=%d N=%d stages=%d blockm_fn=%d smem=%d threads=%d\n", name, D,
-              int(M::kIsCausal), T::kBlockM, T::kBlockN, T::kStages, bwd_block_m(D), int(K::kSharedStorageSize),
+  std::printf("bwd %s hdim=%d hdim_v=%d causal=%d M=%d N=%d stages=%d blockm_fn=%d smem=%d threads=%d\n", name, D,
+              DV, int(M::kIsCausal), T::kBlockM, T::kBlockN, T::kStages, bwd_block_m(D), int(K::kSharedStorageSize),
               int(K::kThreads));
 }
 
@@ -63,12 +63,14 @@ void all16(char const* n) {
   fwd<E, 128, NoMask, false>(n); fwd<E, 128, CausalMask, false>(n);
   fwd<E, 128, NoMask, true>(n); fwd<E, 128, CausalMask, true>(n);
   fwd<E, 192, NoMask, false>(n); fwd<E, 192, CausalMask, false>(n);
+  fwd<E, 192, NoMask, false, 128>(n); fwd<E, 192, CausalMask, false, 128>(n);
   fwd<E, 256, NoMask, false>(n); fwd<E, 256, CausalMask, false>(n);
   fwd<E, 256, NoMask, true>(n); fwd<E, 256, CausalMask, true>(n);
   bwd<E, 64, NoMask>(n); bwd<E, 64, CausalMask>(n);
   bwd<E, 96, NoMask>(n); bwd<E, 96, CausalMask>(n);
   bwd<E, 128, NoMask>(n); bwd<E, 128, CausalMask>(n);
   bwd<E, 192, NoMask>(n); bwd<E, 192, CausalMask>(n);
+  bwd<E, 192, NoMask, 128>(n); bwd<E, 192, CausalMask, 128>(n);
   bwd<E, 256, NoMask>(n); bwd<E, 256, CausalMask>(n);
 }
 
