@@ -88,7 +88,7 @@ def extension():
         for p in (ROOT / "csrc" / "instantiations").glob("*_*_hdim*_*.cu")
         if wanted(p)
     )
-    sources = ["csrc/api.cpp", "csrc/autograd.cpp", "csrc/dispatch.cu", "csrc/sum_kv_heads.cu", "csrc/kvcache.cu", *kernels]
+    sources = ["csrc/api.cpp", "csrc/autograd.cpp", "csrc/dispatch.cu", "csrc/sum_kv_heads.cu", "csrc/kvcache.cu", "csrc/packed_tiles.cu", *kernels]
     if "e4m3" in dtypes and "fwd" in kinds:
         sources += ["csrc/api_fp8.cpp", "csrc/dispatch_fp8.cu", "csrc/quantize_fp8.cu"]
 

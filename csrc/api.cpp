@@ -115,6 +115,19 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
   }
 }
 
+// The tile table of a packed batch (flash3/scheduler_packed.h), sized for tiles of 64 of
+// the tiled side's total_rows (queries in the forward, keys in the backward), the
+// kernels' shortest.
+at::Tensor alloc_packed_tiles(FwdParams& params, int64_t total_rows, at::Tensor const& like) {
+  int64_t const capacity = flash3::packed_tile_bound(total_rows, params.batch, params.nheads, 64);
+  TORCH_CHECK(capacity < (int64_t(1) << 31), "flash3: a packed batch of ", total_rows, " rows, ", params.batch,
+              " sequences and ", params.nheads, " heads has too many tiles (at most 2^31)");
+  at::Tensor tiles = at::empty({capacity * 2}, like.options().dtype(at::kInt));
+  params.packed_tiles = tiles.data_ptr<int>();
+  params.packed_tiles_capacity = static_cast<int>(capacity);
+  return tiles;
+}
+
 // The forward pass into out (like q) and lse ((batch, nheads, seqlen_q) float32), on
 // (batch, seqlen, nheads, headdim) tensors (v and out: headdim_v; packed batches: one
 // batch entry of all rows).
@@ -130,7 +143,11 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
 
   flash3::FwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
-  if (varlen != nullptr) { set_varlen(params, *varlen); }
+  at::Tensor packed_tiles;  // alive until the kernels are enqueued (stream-ordered reuse)
+  if (varlen != nullptr) {
+    set_varlen(params, *varlen);
+    packed_tiles = alloc_packed_tiles(params, params.total_q, q);
+  }
   flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
 
   cudaError_t launch_status = cudaSuccess;
@@ -214,7 +231,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
 
   flash3::BwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
-  if (varlen != nullptr) { set_varlen(params, *varlen); }
+  at::Tensor packed_tiles;  // alive until the kernels are enqueued (stream-ordered reuse)
+  if (varlen != nullptr) {
+    set_varlen(params, *varlen);
+    packed_tiles = alloc_packed_tiles(params, params.total_k, q);
+  }
   flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
   at::Tensor dsink_rows;
   if (options.sinks.has_value()) {

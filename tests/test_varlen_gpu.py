@@ -114,6 +114,39 @@ def test_forward_empty_and_unequal(d, causal):
     _check_packed(q, k, v, cu_q, cu_k, lens_q, lens_k, out, lse, causal, poisoned)
 
 
+@pytest.mark.parametrize("batch", [1024, 1025, 2600])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_many_sequences(batch, causal):
+    """Many short sequences: the tile table (csrc/packed_tiles.cu) sorts up to 1024
+    sequences by length and walks larger batches in chunks of 1024, in batch order."""
+    d, dtype = 64, torch.bfloat16
+    _skip_unless_built("fwd", dtype, d, causal)
+    g = torch.Generator().manual_seed(batch + causal)
+    lens_q = torch.randint(0, 49, (batch,), generator=g).tolist()
+    lens_k = [n + i % 3 for i, n in enumerate(lens_q)]
+    q, k, v, cu_q, cu_k = _packed(batch + 5 * causal, lens_q, lens_k, 4, 2, d, dtype)
+    out, lse, poisoned = _poisoned_run(
+        lambda: flash3.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                        return_lse=True),
+        q.shape, dtype, (q.shape[1], q.shape[0]))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten"
+    # The sequences of one (length, keys) pair against the float64 reference at once.
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    groups = {}
+    for b, pair in enumerate(zip(lens_q, lens_k)):
+        groups.setdefault(pair, []).append(b)
+    for (nq, nk), members in groups.items():
+        if nq == 0:
+            continue
+        rows_q = torch.tensor([cq[b] + i for b in members for i in range(nq)], device="cuda")
+        rows_k = torch.tensor([ck[b] + i for b in members for i in range(nk)], device="cuda").long()
+        shape_q, shape_k = (len(members), nq, *q.shape[1:]), (len(members), nk, *k.shape[1:])
+        got = out[rows_q].view(shape_q)
+        got_lse = lse[:, rows_q].view(q.shape[1], len(members), nq).transpose(0, 1)
+        _check_sequence(q[rows_q].view(shape_q), k[rows_k].view(shape_k), v[rows_k].view(shape_k), got, got_lse,
+                        causal)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_seqused(d, causal):

@@ -16,6 +16,7 @@
 #include "epilogue_fwd.h"
 #include "mainloop_fwd.h"
 #include "scheduler.h"
+#include "scheduler_packed.h"
 #include "scheduler_tail.h"
 #include "traits.h"
 
@@ -41,9 +42,13 @@ struct FlashFwdKernel {
   // traits.h). H200 A/B against the plain snake (three passes,
   // bitwise-identical outputs): causal hdim 64 +1.2..+1.7%, hdim 128 +1.5..+2.4% and
   // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
-  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
-  using Scheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
-                                       TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/kVariableKeys<Mask>>>;
+  // Packed batches walk a table of their real tiles, written on the device
+  // (scheduler_packed.h).
+  static constexpr bool kTailBalanced = !kVarlen && Traits::kPersistent && Mask::kIsCausal;
+  using Scheduler = std::conditional_t<
+      kVarlen, PackedTileScheduler<Traits::kPersistent>,
+      std::conditional_t<kTailBalanced, TailBalancedScheduler,
+                         TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/kVariableKeys<Mask>>>>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
@@ -98,13 +103,29 @@ struct FlashFwdKernel {
   static Params to_params(FwdParams const& p) {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     typename Scheduler::Params scheduler;
-    if constexpr (kTailBalanced) {
+    if constexpr (kVarlen) {
+      scheduler = Scheduler::to_params(reinterpret_cast<int2 const*>(p.packed_tiles), packed_tile_entries(p, p.total_q, Traits::kBlockM),
+                                       p.nheads);
+    } else if constexpr (kTailBalanced) {
       scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
                                        Traits::kBlockM, Traits::kBlockN);
     } else {
       scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms);
     }
     return {Mainloop::to_params(p), Epilogue::to_params(p), scheduler};
+  }
+
+  // Packed batches: the table kernel, before the kernel itself on the same stream.
+  static cudaError_t prepare(FwdParams const& p, cudaStream_t stream) {
+    if constexpr (kVarlen) {
+      PackedTileArgs const args{p.cu_seqlens_q, p.seqused_q, p.cu_seqlens_k, p.seqused_k, p.batch, p.nheads,
+                                Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
+                                Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
+                                reinterpret_cast<int2*>(p.packed_tiles), packed_tile_entries(p, p.total_q, Traits::kBlockM)};
+      return launch_packed_tile_table(args, stream);
+    } else {
+      return cudaSuccess;
+    }
   }
 
   CUTLASS_DEVICE static Element* smem_o_of(SharedStorage& storage) {

@@ -20,6 +20,7 @@ cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
       FlashFwdKernel<KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, kShortSeq, kHeadDimV>, Mask, kVarlen>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
+  if (cudaError_t const status = Kernel::prepare(params, stream); status != cudaSuccess) { return status; }
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
                           kernel_params);
 }

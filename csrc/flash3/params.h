@@ -12,6 +12,12 @@ namespace flash3 {
 // A paged K/V is loaded in boxes of this many rows, each within one page (paged_kv.h).
 constexpr int kPageChunkRows = 16;
 
+// The host's bound on a packed batch's query tiles (scheduler_packed.h): every sequence
+// has at most one partial tile, and whole tiles cover at most total_q rows.
+inline int64_t packed_tile_bound(int64_t total_q, int64_t batch, int64_t nheads, int block_m) {
+  return (total_q / block_m + batch) * nheads;
+}
+
 struct FwdParams {
   // q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim); v:
   // (batch, seqlen_k, nheads_k, headdim_v); o: (batch, seqlen_q, nheads, headdim_v). The last dimension is contiguous (the binding checks it), so only the
@@ -38,6 +44,11 @@ struct FwdParams {
   int const* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
+  // The packed-batch kernels' tile table (scheduler_packed.h), int32 pairs, and its
+  // capacity in pairs: packed_tile_bound(total, batch, nheads, 64) for the tiled side's
+  // total (total_q in the forward, total_k in the backward).
+  int* packed_tiles = nullptr;
+  int packed_tiles_capacity = 0;
   // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v
   // are then (rows, nheads_k, headdim) over the cache's pages, page p's slots from row
   // p * page_rows, and cu_seqlens_k holds virtual rows: sequence b's key j is virtual row

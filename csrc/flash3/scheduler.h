@@ -31,7 +31,7 @@ CUTLASS_HOST_DEVICE SectionedTile sectioned_tile(int tile, int per_head, int sec
 // at 2k-8k tokens, backward +2..+4% at 2k-4k; at 16k tokens, where this gives 1, no size
 // gained (and 16 lost 10% in the backward); sizes that are not powers of two gained less
 // or lost.
-inline int section_size(int tiles_per_head, int num_sms, int num_bh) {
+CUTLASS_HOST_DEVICE int section_size(int tiles_per_head, int num_sms, int num_bh) {
   int n = 1;
   while (2 * n * tiles_per_head <= num_sms) { n *= 2; }
   return n < num_bh ? n : (num_bh > 0 ? num_bh : 1);
@@ -69,6 +69,14 @@ inline int section_size(int tiles_per_head, int num_sms, int num_bh) {
 // that drew a long tile in one round draws a short one in the next: with M query tiles
 // per head and M dividing 2 * gridDim.x, every pair of rounds gives each CTA the same
 // work. No tile index crosses shared memory; each warp computes its own sequence.
+// The snake: a persistent grid's next tile after `tile`, walking the list in rounds of
+// gridDim.x tiles, forwards in even rounds and backwards in odd ones.
+CUTLASS_DEVICE int snake_next_tile(int tile) {
+  int const ctas = int(gridDim.x);
+  int const round = tile / ctas + 1;
+  return round * ctas + (round % 2 == 0 ? int(blockIdx.x) : ctas - 1 - int(blockIdx.x));
+}
+
 template <bool kPersistent, bool kLongestFirst>
 struct TileScheduler {
   struct Params {
@@ -102,9 +110,7 @@ struct TileScheduler {
     if constexpr (!kPersistent) {
       return params.num_tiles;
     } else if constexpr (kSnake) {
-      int const ctas = int(gridDim.x);
-      int const round = tile / ctas + 1;
-      return round * ctas + (round % 2 == 0 ? int(blockIdx.x) : ctas - 1 - int(blockIdx.x));
+      return snake_next_tile(tile);
     } else {
       return tile + int(gridDim.x);
     }

@@ -1,0 +1,118 @@
+// The tile schedule of packed (variable-length) batches: a list of the batch's real tiles,
+// written on the device by a small kernel before each packed-batch kernel runs.
+//
+// A grid over the longest sequence's tiles for every sequence and head (the dense
+// scheduler's) launches mostly empty CTAs on a long-tailed mix: 65536 tokens in 20
+// sequences of 153-14716 tokens have 522 query tiles of 128 rows but 20 x 115 grid rows.
+// The host knows only the total and the longest length (no synchronisation), which bounds
+// the tiles by total / block_m + batch per head; the device knows each sequence's length.
+// So a table kernel (csrc/packed_tiles.cu) lists each real tile once, as (sequence, head,
+// query tile), and the grid covers the host's bound; entries past the real tiles say so.
+//
+// Order: sequences by decreasing key count (they have the longest tiles), where the batch
+// holds at most kPackedSortedMax sequences (else in batch order); within a sequence head by
+// head, so that CTAs running at the same time share a head's K and V in L2; within a
+// head, causal and local tiles longest first, and where the kernel is not persistent the
+// heads of a sequence in the sections of the dense causal kernels (scheduler.h).
+//
+// One CTA per tile where the kernel is not persistent (the hardware hands tiles out in
+// list order as SMs free up); a persistent grid walks the list in snake rounds, forwards
+// in even rounds and backwards in odd ones, so that over each pair of rounds every CTA
+// gets a long and a short tile of the sorted list.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cutlass/cutlass.h>
+
+#include "params.h"
+#include "scheduler.h"
+
+namespace flash3 {
+
+// Sequences sorted by key count up to this many per batch (one CTA ranks them in shared memory).
+constexpr int kPackedSortedMax = 1024;
+
+// What the table kernel needs: the batch layout (seqlen.h SeqLayout's pointers) of the
+// tiled side (queries in the forward, keys in the backward) and of the other side, whose
+// length orders the sequences (a tile's work grows with it), and the tiling. Entry e of
+// `tiles` is (sequence, block * nheads + head), or (-1, 0) past the batch's real tiles.
+struct PackedTileArgs {
+  int const* cu_seqlens_tiled;
+  int const* seqused_tiled;  // or null
+  int const* cu_seqlens_other;
+  int const* seqused_other;  // or null
+  int batch;
+  int nheads;
+  int block_rows;  // rows of the tiled side per tile
+  bool last_first;  // each head's tiles from the last one
+  // Multiprocessors: a sequence's heads in sections whose first tiles start together
+  // (scheduler.h section_size, the dense causal kernels' order); 0: head by head.
+  int section_sms;
+  int2* tiles;
+  int num_entries;
+};
+
+// Launches the table kernel (csrc/packed_tiles.cu) on the stream.
+cudaError_t launch_packed_tile_table(PackedTileArgs const& args, cudaStream_t stream);
+
+// The host's count of table entries for tiles of block_rows rows of the tiled side's
+// total rows (at most the table's capacity).
+inline int packed_tile_entries(FwdParams const& p, int64_t total_rows, int block_rows) {
+  int64_t const bound = packed_tile_bound(total_rows, p.batch, p.nheads, block_rows);
+  return int(bound < p.packed_tiles_capacity ? bound : p.packed_tiles_capacity);
+}
+
+// Block of an entry past the real tiles: past every sequence's rows (times any block of
+// at most 512 rows, still an int).
+constexpr int kPackedPastRows = 1 << 21;
+
+struct PackedTile {
+  int block;
+  int head;
+  int batch;
+};
+
+CUTLASS_DEVICE PackedTile packed_tile_at(int2 const* tiles, int entry, int nheads) {
+  int2 const e = tiles[entry];
+  if (e.x < 0) { return {kPackedPastRows, 0, 0}; }
+  int const block = e.y / nheads;
+  return {block, e.y - block * nheads, e.x};
+}
+
+template <bool kPersistent>
+struct PackedTileScheduler {
+  struct Params {
+    int2 const* tiles;
+    int num_tiles;  // entries of the table: the host's bound
+    int nheads;
+  };
+
+  struct Coord {
+    int m_block;
+    int head;
+    int batch;
+  };
+
+  static Params to_params(int2 const* tiles, int num_tiles, int nheads) { return {tiles, num_tiles, nheads}; }
+
+  static dim3 grid(Params const& params, int num_sms) {
+    return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
+  }
+
+  CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
+  CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
+    if constexpr (!kPersistent) {
+      return params.num_tiles;
+    } else {
+      return snake_next_tile(tile);
+    }
+  }
+
+  CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
+    PackedTile const t = packed_tile_at(params.tiles, tile, params.nheads);
+    return {t.block, t.head, t.batch};
+  }
+};
+
+}  // namespace flash3
