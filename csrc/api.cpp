@@ -122,7 +122,7 @@ at::Tensor alloc_packed_tiles(FwdParams& params, int64_t total_rows, at::Tensor 
   int64_t const capacity = flash3::packed_tile_bound(total_rows, params.batch, params.nheads, 64);
   TORCH_CHECK(capacity < (int64_t(1) << 31), "flash3: a packed batch of ", total_rows, " rows, ", params.batch,
               " sequences and ", params.nheads, " heads has too many tiles (at most 2^31)");
-  at::Tensor tiles = at::empty({capacity * 2}, like.options().dtype(at::kInt));
+  at::Tensor tiles = at::empty({capacity * 8}, like.options().dtype(at::kInt));
   params.packed_tiles = tiles.data_ptr<int>();
   params.packed_tiles_capacity = static_cast<int>(capacity);
   return tiles;

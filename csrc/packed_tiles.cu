@@ -7,7 +7,7 @@
 // small enough to sort (kPackedSortedMax), sums their tiles in rank order and, for each
 // entry of its slice, finds the sequence whose tiles hold it by a binary search over those
 // sums. The work per CTA is a few microseconds at batch 1024 and far less at the usual
-// sizes; the table is (total / block_rows + batch) * nheads entries of 8 bytes.
+// sizes; the table is (total / block_rows + batch) * nheads entries of 32 bytes.
 #include <cub/block/block_scan.cuh>
 
 #include "flash3/scheduler_packed.h"
@@ -29,11 +29,11 @@ __device__ int used_rows(int const* cu_seqlens, int const* seqused, int b) {
 __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileArgs const args) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int other_rows[kChunk];     // per sequence of the chunk, in batch order: the other side's rows
-  __shared__ int blocks_raw[kChunk];     // ... and its tiles
-  __shared__ int seq_of_rank[kChunk];    // the chunk's sequences in schedule order
-  __shared__ int blocks[kChunk];         // their tiles
-  __shared__ int first_entry[kChunk + 1];  // their first entry, from the chunk's first
+  // Per sequence of the chunk, in batch order: rows used and first row, of q and k.
+  __shared__ int seqlen_q[kChunk], seqlen_k[kChunk], offset_q[kChunk], offset_k[kChunk];
+  __shared__ int seq_of_rank[kChunk];      // the chunk's sequences in schedule order
+  __shared__ int blocks[kChunk];           // their tiles
+  __shared__ int first_entry[kChunk];      // their first entry, from the chunk's first
   __shared__ int chunk_entries;
 
   int const slice_begin = int(blockIdx.x) * kThreads * kEntriesPerThread;
@@ -44,23 +44,26 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
     int const n = min(kChunk, args.batch - chunk);
     for (int i = threadIdx.x; i < n; i += kThreads) {
       int const b = chunk + i;
-      int const rows = used_rows(args.cu_seqlens_tiled, args.seqused_tiled, b);
-      blocks_raw[i] = (rows + args.block_rows - 1) / args.block_rows;
-      other_rows[i] = used_rows(args.cu_seqlens_other, args.seqused_other, b);
+      offset_q[i] = args.cu_seqlens_q[b];
+      offset_k[i] = args.cu_seqlens_k[b];
+      seqlen_q[i] = used_rows(args.cu_seqlens_q, args.seqused_q, b);
+      seqlen_k[i] = used_rows(args.cu_seqlens_k, args.seqused_k, b);
     }
     __syncthreads();
+    int const* tiled = args.tile_keys ? seqlen_k : seqlen_q;
+    int const* other = args.tile_keys ? seqlen_q : seqlen_k;
     for (int i = threadIdx.x; i < n; i += kThreads) {
       int rank = i;
-      if (sorted) {  // longer first; equal ones in batch order
-        int const key = other_rows[i];
+      if (sorted) {  // the other side longer first; equal ones in batch order
+        int const key = other[i];
         rank = 0;
-        for (int j = 0; j < n; ++j) { rank += other_rows[j] > key || (other_rows[j] == key && j < i); }
+        for (int j = 0; j < n; ++j) { rank += other[j] > key || (other[j] == key && j < i); }
       }
       seq_of_rank[rank] = i;
-      blocks[rank] = blocks_raw[i];
+      blocks[rank] = (tiled[i] + args.block_rows - 1) / args.block_rows;
     }
     __syncthreads();
-    // Entries per rank (query tiles times heads), summed: thread t holds ranks
+    // Entries per rank (tiles times heads), summed: thread t holds ranks
     // [t * kSeqsPerThread, (t + 1) * kSeqsPerThread).
     int counts[kSeqsPerThread];
     for (int j = 0; j < kSeqsPerThread; ++j) {
@@ -71,10 +74,7 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
     int total;
     Scan(scan_storage).ExclusiveSum(counts, firsts, total);
     for (int j = 0; j < kSeqsPerThread; ++j) { first_entry[threadIdx.x * kSeqsPerThread + j] = firsts[j]; }
-    if (threadIdx.x == 0) {
-      first_entry[kChunk] = total;
-      chunk_entries = total;
-    }
+    if (threadIdx.x == 0) { chunk_entries = total; }
     __syncthreads();
     for (int e = slice_begin + int(threadIdx.x); e < slice_end; e += kThreads) {
       int const local = e - chunk_begin_entry;
@@ -97,14 +97,23 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
         block = within - head * tiles;
       }
       if (args.last_first) { block = tiles - 1 - block; }
-      args.tiles[e] = make_int2(chunk + seq_of_rank[lo], block * args.nheads + head);
+      int const i = seq_of_rank[lo];
+      PackedTileEntry entry;
+      entry.batch = chunk + i;
+      entry.block_head = block * args.nheads + head;
+      entry.seqlen_q = seqlen_q[i];
+      entry.seqlen_k = seqlen_k[i];
+      entry.offset_q = offset_q[i];
+      entry.offset_k = offset_k[i];
+      entry.unused[0] = entry.unused[1] = 0;
+      args.tiles[e] = entry;
     }
     chunk_begin_entry += chunk_entries;
     __syncthreads();  // the shared arrays are the next chunk's
   }
   // Past the batch's tiles (there are such entries only when every chunk was walked).
   for (int e = slice_begin + int(threadIdx.x); e < slice_end; e += kThreads) {
-    if (e >= chunk_begin_entry) { args.tiles[e] = make_int2(-1, 0); }
+    if (e >= chunk_begin_entry) { args.tiles[e] = PackedTileEntry{-1, 0, 0, 0, 0, 0, {0, 0}}; }
   }
 }
 

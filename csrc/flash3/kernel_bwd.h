@@ -60,7 +60,7 @@ struct FlashBwdKernel {
     int num_bh;
     int section;  // 0: the grid is (key tile, head, batch)
     // Packed batches: one CTA per entry of the tile table (scheduler_packed.h), or null.
-    int2 const* packed_tiles;
+    PackedTileEntry const* packed_tiles;
     int num_packed_tiles;
   };
 
@@ -73,7 +73,7 @@ struct FlashBwdKernel {
   static Order order_of(BwdParams const& p) {
     int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     if (p.is_varlen()) {
-      return {num_n_blocks, p.nheads, p.batch * p.nheads, 0, reinterpret_cast<int2 const*>(p.packed_tiles),
+      return {num_n_blocks, p.nheads, p.batch * p.nheads, 0, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
               packed_tile_entries(p, p.total_k, Traits::kBlockN)};
     }
     int section = 0;
@@ -88,10 +88,11 @@ struct FlashBwdKernel {
   // tiles from the last; the causal ones go first-first in sections of heads.
   static cudaError_t prepare(BwdParams const& p, cudaStream_t stream) {
     if (!p.is_varlen()) { return cudaSuccess; }
-    PackedTileArgs const args{p.cu_seqlens_k, p.seqused_k, p.cu_seqlens_q, p.seqused_q, p.batch, p.nheads,
-                              Traits::kBlockN, /*last_first=*/p.deterministic,
+    PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
+                              /*tile_keys=*/true, Traits::kBlockN, /*last_first=*/p.deterministic,
                               Mask::kIsCausal && !p.deterministic ? p.num_sms : 0,
-                              reinterpret_cast<int2*>(p.packed_tiles), packed_tile_entries(p, p.total_k, Traits::kBlockN)};
+                              reinterpret_cast<PackedTileEntry*>(p.packed_tiles),
+                              packed_tile_entries(p, p.total_k, Traits::kBlockN)};
     return launch_packed_tile_table(args, stream);
   }
 
@@ -132,6 +133,12 @@ struct FlashBwdKernel {
     return {n_block, int(blockIdx.y), int(blockIdx.z)};
   }
 
+  // The tile's sequence: a packed batch's from its table entry.
+  CUTLASS_DEVICE static Seq seq_at(Params const& params, int batch) {
+    if (params.order.packed_tiles != nullptr) { return packed_seq_at(params.order.packed_tiles, int(blockIdx.x)); }
+    return params.mainloop.seqs.template at<false>(batch);
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -140,17 +147,16 @@ struct FlashBwdKernel {
     int const lane_predicate = cute::elect_one_sync();
     TileCoord const tile = tile_of(params);
     int const n_block = tile.n_block, head = tile.head;
-    SeqLayout const& seqs = params.mainloop.seqs;
     // Packed batches: entries past the batch's tiles.
-    if (!Mainloop::has_keys(seqs.at(tile.batch), n_block)) { return; }
+    if (!Mainloop::has_keys(seq_at(params, tile.batch), n_block)) { return; }
     // The producer warps (24 registers) get the sequence as compile-time dense or packed
     // (a dense batch's lengths then stay kernel parameters); the consumers read it at run
     // time, and afresh after the mainloop rather than keep it in registers across it.
     auto with_seq = [&](auto&& f) {
-      if (seqs.is_varlen()) {
-        f(seqs.template at<true>(tile.batch));
+      if (params.order.packed_tiles != nullptr) {
+        f(packed_seq_at(params.order.packed_tiles, int(blockIdx.x)));
       } else {
-        f(seqs.template at<false>(tile.batch));
+        f(params.mainloop.seqs.template at<false>(tile.batch));
       }
     };
 
@@ -209,8 +215,8 @@ struct FlashBwdKernel {
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadV{},
                                            select<0, 1>(typename Traits::TileShapedV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
-      Seq const seq = seqs.at(tile.batch);
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seq_at(params, tile.batch));
+      Seq const seq = seq_at(params, tile.batch);
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, seq);
     }

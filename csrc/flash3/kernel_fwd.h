@@ -104,8 +104,8 @@ struct FlashFwdKernel {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     typename Scheduler::Params scheduler;
     if constexpr (kVarlen) {
-      scheduler = Scheduler::to_params(reinterpret_cast<int2 const*>(p.packed_tiles), packed_tile_entries(p, p.total_q, Traits::kBlockM),
-                                       p.nheads);
+      scheduler = Scheduler::to_params(reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
+                                       packed_tile_entries(p, p.total_q, Traits::kBlockM), p.nheads);
     } else if constexpr (kTailBalanced) {
       scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
                                        Traits::kBlockM, Traits::kBlockN);
@@ -118,13 +118,23 @@ struct FlashFwdKernel {
   // Packed batches: the table kernel, before the kernel itself on the same stream.
   static cudaError_t prepare(FwdParams const& p, cudaStream_t stream) {
     if constexpr (kVarlen) {
-      PackedTileArgs const args{p.cu_seqlens_q, p.seqused_q, p.cu_seqlens_k, p.seqused_k, p.batch, p.nheads,
-                                Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
+      PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
+                                /*tile_keys=*/false, Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
                                 Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
-                                reinterpret_cast<int2*>(p.packed_tiles), packed_tile_entries(p, p.total_q, Traits::kBlockM)};
+                                reinterpret_cast<PackedTileEntry*>(p.packed_tiles),
+                                packed_tile_entries(p, p.total_q, Traits::kBlockM)};
       return launch_packed_tile_table(args, stream);
     } else {
       return cudaSuccess;
+    }
+  }
+
+  // Tile t's sequence: a packed batch's from its table entry.
+  CUTLASS_DEVICE static Seq seq_at(Params const& params, int t, int batch) {
+    if constexpr (kVarlen) {
+      return packed_seq_at(params.scheduler.tiles, t);
+    } else {
+      return params.mainloop.seqs.template at<false>(batch);
     }
   }
 
@@ -139,6 +149,9 @@ struct FlashFwdKernel {
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
 
+    if constexpr (kVarlen) {
+      if (warp_idx == 0 && lane_predicate) { packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile()); }
+    }
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       CUTLASS_PRAGMA_UNROLL
@@ -180,7 +193,7 @@ struct FlashFwdKernel {
         PipelineStateQ write_q;  // advances with every tile that loads Q
         for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
-          Seq const seq = params.mainloop.seqs.template at<kVarlen>(tile.batch);
+          Seq const seq = seq_at(params, t, tile.batch);
           // Tiles past the sequence's rows (packed batches: the grid covers the longest
           // sequence) and tiles that see no key load nothing.
           if ((kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) || !Mainloop::has_keys(params.mainloop, seq, tile.m_block)) {
@@ -199,7 +212,7 @@ struct FlashFwdKernel {
       PipelineStateQ read_q;  // the Q buffer of the current tile
       for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
-        Seq seq = params.mainloop.seqs.template at<kVarlen>(tile.batch);
+        Seq seq = seq_at(params, t, tile.batch);
         // Packed batches: no rows, nothing to write. (Not tested in dense kernels, where it
         // never holds: the hdim 64 non-causal kernel spilled for it.)
         if (kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) { continue; }
@@ -209,7 +222,7 @@ struct FlashFwdKernel {
                                  storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
                                  pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, tile.head, seq);
         // A packed batch's sequence read afresh rather than kept in registers across the mainloop.
-        if constexpr (kVarlen) { seq = params.mainloop.seqs.template at<kVarlen>(tile.batch); }
+        if constexpr (kVarlen) { seq = seq_at(params, t, tile.batch); }
         if (has_keys) { ++read_q; }
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {

@@ -44,9 +44,9 @@ struct FwdParams {
   int const* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
-  // The packed-batch kernels' tile table (scheduler_packed.h), int32 pairs, and its
-  // capacity in pairs: packed_tile_bound(total, batch, nheads, 64) for the tiled side's
-  // total (total_q in the forward, total_k in the backward).
+  // The packed-batch kernels' tile table (scheduler_packed.h), entries of 8 int32, and
+  // its capacity in entries: packed_tile_bound(total, batch, nheads, 64) for the tiled
+  // side's total (total_q in the forward, total_k in the backward).
   int* packed_tiles = nullptr;
   int packed_tiles_capacity = 0;
   // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v

@@ -7,7 +7,8 @@
 // The host knows only the total and the longest length (no synchronisation), which bounds
 // the tiles by total / block_m + batch per head; the device knows each sequence's length.
 // So a table kernel (csrc/packed_tiles.cu) lists each real tile once, as (sequence, head,
-// query tile), and the grid covers the host's bound; entries past the real tiles say so.
+// query tile) with the sequence's lengths and offsets, and the grid covers the host's
+// bound; entries past the real tiles say so.
 //
 // Order: sequences by decreasing key count (they have the longest tiles), where the batch
 // holds at most kPackedSortedMax sequences (else in batch order); within a sequence head by
@@ -33,28 +34,42 @@ namespace flash3 {
 // Sequences sorted by key count up to this many per batch (one CTA ranks them in shared memory).
 constexpr int kPackedSortedMax = 1024;
 
-// What the table kernel needs: the batch layout (seqlen.h SeqLayout's pointers) of the
-// tiled side (queries in the forward, keys in the backward) and of the other side, whose
-// length orders the sequences (a tile's work grows with it), and the tiling. Entry e of
-// `tiles` is (sequence, block * nheads + head), or (-1, 0) past the batch's real tiles.
+// What the table kernel needs: the batch layout (seqlen.h SeqLayout's pointers), which
+// side is tiled (queries in the forward, keys in the backward; the other side's length
+// orders the sequences, a tile's work grows with it), and the tiling.
 struct PackedTileArgs {
-  int const* cu_seqlens_tiled;
-  int const* seqused_tiled;  // or null
-  int const* cu_seqlens_other;
-  int const* seqused_other;  // or null
+  int const* cu_seqlens_q;
+  int const* cu_seqlens_k;
+  int const* seqused_q;  // or null
+  int const* seqused_k;  // or null
   int batch;
   int nheads;
+  bool tile_keys;  // tiles of keys (the backward), else of queries
   int block_rows;  // rows of the tiled side per tile
   bool last_first;  // each head's tiles from the last one
   // Multiprocessors: a sequence's heads in sections whose first tiles start together
   // (scheduler.h section_size, the dense causal kernels' order); 0: head by head.
   int section_sms;
-  int2* tiles;
+  struct PackedTileEntry* tiles;
   int num_entries;
 };
 
 // Launches the table kernel (csrc/packed_tiles.cu) on the stream.
 cudaError_t launch_packed_tile_table(PackedTileArgs const& args, cudaStream_t stream);
+
+// One entry of the table: the tile and its sequence, so that the table is the only read a
+// CTA waits for before it loads its tile (a second dependent read, of cu_seqlens, cost
+// the short tiles of equal-length batches several percent).
+struct alignas(16) PackedTileEntry {
+  int batch;  // -1: past the batch's tiles
+  int block_head;  // block * nheads + head
+  int seqlen_q;
+  int seqlen_k;
+  int offset_q;
+  int offset_k;
+  int unused[2];
+};
+static_assert(sizeof(PackedTileEntry) == 8 * sizeof(int), "params.h counts the table in 8-int entries");
 
 // The host's count of table entries for tiles of block_rows rows of the tiled side's
 // total rows (at most the table's capacity).
@@ -73,17 +88,29 @@ struct PackedTile {
   int batch;
 };
 
-CUTLASS_DEVICE PackedTile packed_tile_at(int2 const* tiles, int entry, int nheads) {
-  int2 const e = tiles[entry];
-  if (e.x < 0) { return {kPackedPastRows, 0, 0}; }
-  int const block = e.y / nheads;
-  return {block, e.y - block * nheads, e.x};
+CUTLASS_DEVICE PackedTile packed_tile_at(PackedTileEntry const* tiles, int entry, int nheads) {
+  int const batch = tiles[entry].batch, block_head = tiles[entry].block_head;
+  if (batch < 0) { return {kPackedPastRows, 0, 0}; }
+  int const block = block_head / nheads;
+  return {block, block_head - block * nheads, batch};
+}
+
+// Brings an entry into L1 ahead of its first read (a CTA's first tile, while it sets up).
+CUTLASS_DEVICE void packed_tile_prefetch(PackedTileEntry const* tiles, int entry) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(tiles + entry));
+}
+
+// The entry's sequence (no rows and no keys past the batch's tiles).
+CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
+  PackedTileEntry const& e = tiles[entry];
+  int const batch = e.batch < 0 ? 0 : e.batch;
+  return {e.seqlen_q, e.seqlen_k, e.offset_q, e.offset_k, 0, varlen_padded_offset(e.offset_q, batch)};
 }
 
 template <bool kPersistent>
 struct PackedTileScheduler {
   struct Params {
-    int2 const* tiles;
+    PackedTileEntry const* tiles;
     int num_tiles;  // entries of the table: the host's bound
     int nheads;
   };
@@ -94,7 +121,7 @@ struct PackedTileScheduler {
     int batch;
   };
 
-  static Params to_params(int2 const* tiles, int num_tiles, int nheads) { return {tiles, num_tiles, nheads}; }
+  static Params to_params(PackedTileEntry const* tiles, int num_tiles, int nheads) { return {tiles, num_tiles, nheads}; }
 
   static dim3 grid(Params const& params, int num_sms) {
     return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);

@@ -31,6 +31,11 @@ struct Seq {
   int offset_q_padded;
 };
 
+// Sequence b's first row in the backward's padded workspaces, from its first row begin_q.
+CUTLASS_HOST_DEVICE int varlen_padded_offset(int begin_q, int b) {
+  return (begin_q + b * kVarlenRowPad) / kVarlenRowPad * kVarlenRowPad;
+}
+
 struct SeqLayout {
   int const* cu_seqlens_q = nullptr;  // (batch + 1), or null: a dense batch
   int const* cu_seqlens_k = nullptr;
@@ -58,7 +63,7 @@ struct SeqLayout {
     int const begin_k = cu_seqlens_k[b];
     int const len_q = seqused_q != nullptr ? seqused_q[b] : cu_seqlens_q[b + 1] - begin_q;
     int const len_k = seqused_k != nullptr ? seqused_k[b] : cu_seqlens_k[b + 1] - begin_k;
-    return {len_q, len_k, begin_q, begin_k, 0, (begin_q + b * kVarlenRowPad) / kVarlenRowPad * kVarlenRowPad};
+    return {len_q, len_k, begin_q, begin_k, 0, varlen_padded_offset(begin_q, b)};
   }
 };
 
