@@ -117,12 +117,13 @@ def test_forward_empty_and_unequal(d, causal):
 @pytest.mark.parametrize("batch", [1024, 1025, 2600])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_many_sequences(batch, causal):
-    """Many short sequences: the tile table (csrc/packed_tiles.cu) sorts up to 1024
-    sequences by length and walks larger batches in chunks of 1024, in batch order."""
+    """Many sequences: the tile table (csrc/packed_tiles.cu) sorts up to 1024 sequences by
+    length and walks larger batches in chunks of 1024, in batch order."""
     d, dtype = 64, torch.bfloat16
     _skip_unless_built("fwd", dtype, d, causal)
     g = torch.Generator().manual_seed(batch + causal)
-    lens_q = torch.randint(0, 49, (batch,), generator=g).tolist()
+    choices = [0, 1, 17, 64, 65, 129, 200]  # longer than one tile: the table, not one tile per sequence
+    lens_q = [choices[i] for i in torch.randint(0, len(choices), (batch,), generator=g).tolist()]
     lens_k = [n + i % 3 for i, n in enumerate(lens_q)]
     q, k, v, cu_q, cu_k = _packed(batch + 5 * causal, lens_q, lens_k, 4, 2, d, dtype)
     out, lse, poisoned = _poisoned_run(

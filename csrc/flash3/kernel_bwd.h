@@ -70,6 +70,8 @@ struct FlashBwdKernel {
     Order order;
   };
 
+  static_assert(Traits::kBlockN >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
+
   static Order order_of(BwdParams const& p) {
     int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     if (p.is_varlen()) {

@@ -44,6 +44,7 @@ struct FlashFwdKernel {
   // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
   // Packed batches walk a table of their real tiles, written on the device
   // (scheduler_packed.h).
+  static_assert(Traits::kBlockM >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
   static constexpr bool kTailBalanced = !kVarlen && Traits::kPersistent && Mask::kIsCausal;
   using Scheduler = std::conditional_t<
       kVarlen, PackedTileScheduler<Traits::kPersistent>,
@@ -104,8 +105,7 @@ struct FlashFwdKernel {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     typename Scheduler::Params scheduler;
     if constexpr (kVarlen) {
-      scheduler = Scheduler::to_params(reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
-                                       packed_tile_entries(p, p.total_q, Traits::kBlockM), p.nheads);
+      scheduler = Scheduler::to_params(p, Traits::kBlockM);
     } else if constexpr (kTailBalanced) {
       scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
                                        Traits::kBlockM, Traits::kBlockN);
@@ -118,6 +118,7 @@ struct FlashFwdKernel {
   // Packed batches: the table kernel, before the kernel itself on the same stream.
   static cudaError_t prepare(FwdParams const& p, cudaStream_t stream) {
     if constexpr (kVarlen) {
+      if (!Scheduler::uses_table(p, Traits::kBlockM)) { return cudaSuccess; }
       PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
                                 /*tile_keys=*/false, Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
                                 Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
@@ -132,7 +133,7 @@ struct FlashFwdKernel {
   // Tile t's sequence: a packed batch's from its table entry.
   CUTLASS_DEVICE static Seq seq_at(Params const& params, int t, int batch) {
     if constexpr (kVarlen) {
-      return packed_seq_at(params.scheduler.tiles, t);
+      return Scheduler::seq(params.scheduler, params.mainloop.seqs, t, batch);
     } else {
       return params.mainloop.seqs.template at<false>(batch);
     }
@@ -150,7 +151,9 @@ struct FlashFwdKernel {
     int const lane_predicate = cute::elect_one_sync();
 
     if constexpr (kVarlen) {
-      if (warp_idx == 0 && lane_predicate) { packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile()); }
+      if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
+        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile());
+      }
     }
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);

@@ -12,8 +12,12 @@ namespace flash3 {
 // A paged K/V is loaded in boxes of this many rows, each within one page (paged_kv.h).
 constexpr int kPageChunkRows = 16;
 
-// The host's bound on a packed batch's query tiles (scheduler_packed.h): every sequence
-// has at most one partial tile, and whole tiles cover at most total_q rows.
+// The fewest rows of any packed-batch kernel's tile (queries in the forward, keys in the
+// backward): the binding sizes the tile table for it.
+constexpr int kPackedMinBlockRows = 64;
+
+// The host's bound on a packed batch's tiles (scheduler_packed.h): every sequence has at
+// most one partial tile, and whole tiles cover at most the total rows.
 inline int64_t packed_tile_bound(int64_t total_q, int64_t batch, int64_t nheads, int block_m) {
   return (total_q / block_m + batch) * nheads;
 }
@@ -45,8 +49,9 @@ struct FwdParams {
   int total_q = 0;
   int total_k = 0;
   // The packed-batch kernels' tile table (scheduler_packed.h), entries of 8 int32, and
-  // its capacity in entries: packed_tile_bound(total, batch, nheads, 64) for the tiled
-  // side's total (total_q in the forward, total_k in the backward).
+  // its capacity in entries: packed_tile_bound(total, batch, nheads, kPackedMinBlockRows)
+  // for the tiled side's total (total_q in the forward, total_k in the backward). Null
+  // for a forward whose sequences fit one tile each.
   int* packed_tiles = nullptr;
   int packed_tiles_capacity = 0;
   // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v

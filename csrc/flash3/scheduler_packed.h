@@ -109,9 +109,12 @@ CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
 
 template <bool kPersistent>
 struct PackedTileScheduler {
+  // Where no sequence has more than one tile (decoding; the host knows from the longest
+  // length), the grid is one tile per sequence and head, without a table: no table
+  // kernel before a call that may take only a few microseconds.
   struct Params {
-    PackedTileEntry const* tiles;
-    int num_tiles;  // entries of the table: the host's bound
+    PackedTileEntry const* tiles;  // or null: tile t is sequence t / nheads, head t % nheads
+    int num_tiles;  // entries of the table (the host's bound), or batch * nheads
     int nheads;
   };
 
@@ -121,7 +124,14 @@ struct PackedTileScheduler {
     int batch;
   };
 
-  static Params to_params(PackedTileEntry const* tiles, int num_tiles, int nheads) { return {tiles, num_tiles, nheads}; }
+  // The table, or none where every sequence fits one tile of block_rows.
+  static bool uses_table(FwdParams const& p, int block_rows) { return p.seqlen_q > block_rows; }
+
+  static Params to_params(FwdParams const& p, int block_rows) {
+    if (!uses_table(p, block_rows)) { return {nullptr, p.batch * p.nheads, p.nheads}; }
+    return {reinterpret_cast<PackedTileEntry const*>(p.packed_tiles), packed_tile_entries(p, p.total_q, block_rows),
+            p.nheads};
+  }
 
   static dim3 grid(Params const& params, int num_sms) {
     return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
@@ -137,8 +147,17 @@ struct PackedTileScheduler {
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
+    if (params.tiles == nullptr) {
+      int const batch = tile / params.nheads;
+      return {0, tile - batch * params.nheads, batch};
+    }
     PackedTile const t = packed_tile_at(params.tiles, tile, params.nheads);
     return {t.block, t.head, t.batch};
+  }
+
+  // Tile t's sequence: from its table entry, or from the batch layout.
+  CUTLASS_DEVICE static Seq seq(Params const& params, SeqLayout const& seqs, int tile, int batch) {
+    return params.tiles != nullptr ? packed_seq_at(params.tiles, tile) : seqs.at_packed(batch);
   }
 };
 
