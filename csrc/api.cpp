@@ -116,13 +116,12 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
 }
 
 // The tile table of a packed batch (flash3/scheduler_packed.h), sized for the kernels'
-// shortest tiles of the tiled side's total_rows (queries in the forward, keys in the
-// backward).
-at::Tensor alloc_packed_tiles(FwdParams& params, int64_t total_rows, at::Tensor const& like) {
+// shortest query tiles.
+at::Tensor alloc_packed_tiles(FwdParams& params, at::Tensor const& like) {
   int64_t const capacity =
-      flash3::packed_tile_bound(total_rows, params.batch, params.nheads, flash3::kPackedMinBlockRows);
-  TORCH_CHECK(capacity < (int64_t(1) << 31), "flash3: a packed batch of ", total_rows, " rows, ", params.batch,
-              " sequences and ", params.nheads, " heads has too many tiles (at most 2^31)");
+      flash3::packed_tile_bound(params.total_q, params.batch, params.nheads, flash3::kPackedMinBlockRows);
+  TORCH_CHECK(capacity < (int64_t(1) << 31), "flash3: a packed batch of ", params.total_q, " rows, ", params.batch,
+              " sequences and ", params.nheads, " heads has too many query tiles (at most 2^31)");
   at::Tensor tiles = at::empty({capacity * 8}, like.options().dtype(at::kInt));
   params.packed_tiles = tiles.data_ptr<int>();
   params.packed_tiles_capacity = static_cast<int>(capacity);
@@ -148,7 +147,7 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
   if (varlen != nullptr) {
     set_varlen(params, *varlen);
     // None where every sequence fits one tile (scheduler_packed.h): decoding.
-    if (params.seqlen_q > flash3::kPackedMinBlockRows) { packed_tiles = alloc_packed_tiles(params, params.total_q, q); }
+    if (params.seqlen_q > flash3::kPackedMinBlockRows) { packed_tiles = alloc_packed_tiles(params, q); }
   }
   flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
 
@@ -233,11 +232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
 
   flash3::BwdParams params;
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out_c, lse_c, softmax_scale, info);
-  at::Tensor packed_tiles;  // alive until the kernels are enqueued (stream-ordered reuse)
-  if (varlen != nullptr) {
-    set_varlen(params, *varlen);
-    packed_tiles = alloc_packed_tiles(params, params.total_k, q);
-  }
+  if (varlen != nullptr) { set_varlen(params, *varlen); }
   flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
   at::Tensor dsink_rows;
   if (options.sinks.has_value()) {

@@ -1,6 +1,5 @@
 // The tile table of a packed batch (flash3/scheduler_packed.h): which (sequence, head,
-// tile) each entry of a packed-batch kernel's grid works on; tiles of queries in the
-// forward, of keys in the backward.
+// query tile) each entry of a packed-batch forward kernel's grid works on.
 //
 // Each CTA fills its own slice of the table. It reads every sequence's lengths (the batch
 // in chunks of kChunk sequences), ranks them by the other side's length when the batch is
@@ -50,17 +49,15 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
       seqlen_k[i] = used_rows(args.cu_seqlens_k, args.seqused_k, b);
     }
     __syncthreads();
-    int const* tiled = args.tile_keys ? seqlen_k : seqlen_q;
-    int const* other = args.tile_keys ? seqlen_q : seqlen_k;
     for (int i = threadIdx.x; i < n; i += kThreads) {
       int rank = i;
-      if (sorted) {  // the other side longer first; equal ones in batch order
-        int const key = other[i];
+      if (sorted) {  // more keys first; equal ones in batch order
+        int const key = seqlen_k[i];
         rank = 0;
-        for (int j = 0; j < n; ++j) { rank += other[j] > key || (other[j] == key && j < i); }
+        for (int j = 0; j < n; ++j) { rank += seqlen_k[j] > key || (seqlen_k[j] == key && j < i); }
       }
       seq_of_rank[rank] = i;
-      blocks[rank] = (tiled[i] + args.block_rows - 1) / args.block_rows;
+      blocks[rank] = (seqlen_q[i] + args.block_rows - 1) / args.block_rows;
     }
     __syncthreads();
     // Entries per rank (tiles times heads), summed: thread t holds ranks

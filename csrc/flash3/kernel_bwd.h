@@ -20,7 +20,6 @@
 #include "mainloop_bwd_lockstep.h"
 #include "mainloop_bwd_split_keys.h"
 #include "scheduler.h"
-#include "scheduler_packed.h"
 #include "traits_bwd.h"
 
 namespace flash3 {
@@ -51,17 +50,12 @@ struct FlashBwdKernel {
   // The tile order. Key tile fastest: the key tiles of one head run side by side and
   // share its Q and dO through L2; under the causal mask tile 0 sees every query tile,
   // so the longest go first. Causal tiles (not deterministic) go in sections of heads,
-  // longest first across the section (scheduler.h), with a one-dimensional grid. Packed
-  // batches list their real tiles in a table, in that order within each sequence
-  // (scheduler_packed.h).
+  // longest first across the section (scheduler.h), with a one-dimensional grid.
   struct Order {
     int num_n_blocks;
     int nheads;
     int num_bh;
     int section;  // 0: the grid is (key tile, head, batch)
-    // Packed batches: one CTA per entry of the tile table (scheduler_packed.h), or null.
-    PackedTileEntry const* packed_tiles;
-    int num_packed_tiles;
   };
 
   struct Params {
@@ -70,39 +64,19 @@ struct FlashBwdKernel {
     Order order;
   };
 
-  static_assert(Traits::kBlockN >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
-
   static Order order_of(BwdParams const& p) {
     int const num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    if (p.is_varlen()) {
-      return {num_n_blocks, p.nheads, p.batch * p.nheads, 0, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
-              packed_tile_entries(p, p.total_k, Traits::kBlockN)};
-    }
     int section = 0;
     if (Mask::kIsCausal && !p.deterministic) {
       section = section_size(num_n_blocks, p.num_sms, p.batch * p.nheads);
     }
-    return {num_n_blocks, p.nheads, p.batch * p.nheads, section, nullptr, 0};
-  }
-
-  // Packed batches: the table kernel, before the kernel on the same stream. The same
-  // order as dense batches within each sequence: deterministic dQ wants each head's key
-  // tiles from the last; the causal ones go first-first in sections of heads.
-  static cudaError_t prepare(BwdParams const& p, cudaStream_t stream) {
-    if (!p.is_varlen()) { return cudaSuccess; }
-    PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
-                              /*tile_keys=*/true, Traits::kBlockN, /*last_first=*/p.deterministic,
-                              Mask::kIsCausal && !p.deterministic ? p.num_sms : 0,
-                              reinterpret_cast<PackedTileEntry*>(p.packed_tiles),
-                              packed_tile_entries(p, p.total_k, Traits::kBlockN)};
-    return launch_packed_tile_table(args, stream);
+    return {num_n_blocks, p.nheads, p.batch * p.nheads, section};
   }
 
   static Params to_params(BwdParams const& p) { return {Mainloop::to_params(p), Epilogue::to_params(p), order_of(p)}; }
 
   static dim3 grid(BwdParams const& p) {
     Order const order = order_of(p);
-    if (order.packed_tiles != nullptr) { return dim3(order.num_packed_tiles); }
     if (order.section > 0) { return dim3(order.num_n_blocks * order.num_bh); }
     return dim3(order.num_n_blocks, p.nheads, p.batch);
   }
@@ -119,10 +93,6 @@ struct FlashBwdKernel {
   // (Only causal kernels compile the sectioned branch: at hdim 64 the non-causal loop is at
   // the register limit, and the dead branch made ptxas spill there.)
   CUTLASS_DEVICE static TileCoord tile_of(Params const& params) {
-    if (params.order.packed_tiles != nullptr) {
-      PackedTile const t = packed_tile_at(params.order.packed_tiles, int(blockIdx.x), params.order.nheads);
-      return {t.block, t.head, t.batch};
-    }
     if constexpr (Mask::kIsCausal) {
       Order const& order = params.order;
       if (order.section > 0) {
@@ -135,12 +105,6 @@ struct FlashBwdKernel {
     return {n_block, int(blockIdx.y), int(blockIdx.z)};
   }
 
-  // The tile's sequence: a packed batch's from its table entry.
-  CUTLASS_DEVICE static Seq seq_at(Params const& params, int batch) {
-    if (params.order.packed_tiles != nullptr) { return packed_seq_at(params.order.packed_tiles, int(blockIdx.x)); }
-    return params.mainloop.seqs.template at<false>(batch);
-  }
-
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -149,16 +113,17 @@ struct FlashBwdKernel {
     int const lane_predicate = cute::elect_one_sync();
     TileCoord const tile = tile_of(params);
     int const n_block = tile.n_block, head = tile.head;
-    // Packed batches: entries past the batch's tiles.
-    if (!Mainloop::has_keys(seq_at(params, tile.batch), n_block)) { return; }
+    SeqLayout const& seqs = params.mainloop.seqs;
+    // Packed batches: the grid covers the longest sequence's key tiles.
+    if (!Mainloop::has_keys(seqs.at(tile.batch), n_block)) { return; }
     // The producer warps (24 registers) get the sequence as compile-time dense or packed
     // (a dense batch's lengths then stay kernel parameters); the consumers read it at run
     // time, and afresh after the mainloop rather than keep it in registers across it.
     auto with_seq = [&](auto&& f) {
-      if (params.order.packed_tiles != nullptr) {
-        f(packed_seq_at(params.order.packed_tiles, int(blockIdx.x)));
+      if (seqs.is_varlen()) {
+        f(seqs.template at<true>(tile.batch));
       } else {
-        f(params.mainloop.seqs.template at<false>(tile.batch));
+        f(seqs.template at<false>(tile.batch));
       }
     };
 
@@ -217,8 +182,8 @@ struct FlashBwdKernel {
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadV{},
                                            select<0, 1>(typename Traits::TileShapedV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seq_at(params, tile.batch));
-      Seq const seq = seq_at(params, tile.batch);
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
+      Seq const seq = seqs.at(tile.batch);
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
                       thread_idx, n_block, head, seq);
     }

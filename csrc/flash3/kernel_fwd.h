@@ -42,14 +42,15 @@ struct FlashFwdKernel {
   // traits.h). H200 A/B against the plain snake (three passes,
   // bitwise-identical outputs): causal hdim 64 +1.2..+1.7%, hdim 128 +1.5..+2.4% and
   // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
-  // Packed batches walk a table of their real tiles, written on the device
-  // (scheduler_packed.h).
+  // Packed batches of unequal lengths walk a table of their real tiles, written on the
+  // device (scheduler_packed.h).
   static_assert(Traits::kBlockM >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
-  static constexpr bool kTailBalanced = !kVarlen && Traits::kPersistent && Mask::kIsCausal;
-  using Scheduler = std::conditional_t<
-      kVarlen, PackedTileScheduler<Traits::kPersistent>,
-      std::conditional_t<kTailBalanced, TailBalancedScheduler,
-                         TileScheduler</*kPersistent=*/Traits::kPersistent, /*kLongestFirst=*/kVariableKeys<Mask>>>>;
+  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
+  using DenseScheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
+                                            TileScheduler</*kPersistent=*/Traits::kPersistent,
+                                                          /*kLongestFirst=*/kVariableKeys<Mask>>>;
+  using Scheduler = std::conditional_t<kVarlen, PackedTileScheduler<DenseScheduler, Traits::kPersistent>,
+                                       DenseScheduler>;
   using PipelineK = typename Traits::PipelineK;
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
@@ -103,16 +104,18 @@ struct FlashFwdKernel {
 
   static Params to_params(FwdParams const& p) {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    typename Scheduler::Params scheduler;
-    if constexpr (kVarlen) {
-      scheduler = Scheduler::to_params(p, Traits::kBlockM);
-    } else if constexpr (kTailBalanced) {
-      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
-                                       Traits::kBlockM, Traits::kBlockN);
+    typename DenseScheduler::Params dense;
+    if constexpr (kTailBalanced) {
+      dense = DenseScheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
+                                        Traits::kBlockM, Traits::kBlockN);
     } else {
-      scheduler = Scheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms);
+      dense = DenseScheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms);
     }
-    return {Mainloop::to_params(p), Epilogue::to_params(p), scheduler};
+    if constexpr (kVarlen) {
+      return {Mainloop::to_params(p), Epilogue::to_params(p), Scheduler::to_params(p, Traits::kBlockM, dense)};
+    } else {
+      return {Mainloop::to_params(p), Epilogue::to_params(p), dense};
+    }
   }
 
   // Packed batches: the table kernel, before the kernel itself on the same stream.
@@ -120,10 +123,10 @@ struct FlashFwdKernel {
     if constexpr (kVarlen) {
       if (!Scheduler::uses_table(p, Traits::kBlockM)) { return cudaSuccess; }
       PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
-                                /*tile_keys=*/false, Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
+                                Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
                                 Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
                                 reinterpret_cast<PackedTileEntry*>(p.packed_tiles),
-                                packed_tile_entries(p, p.total_q, Traits::kBlockM)};
+                                packed_tile_entries(p, Traits::kBlockM)};
       return launch_packed_tile_table(args, stream);
     } else {
       return cudaSuccess;

@@ -22,8 +22,6 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   cudaError_t err = run_bwd_preprocess<Element>(params, stream);
   if (err != cudaSuccess) { return err; }
 
-  err = Kernel::prepare(params, stream);
-  if (err != cudaSuccess) { return err; }
   err = launch_with_smem(&flash_bwd_kernel<Kernel>, Kernel::grid(params), Kernel::kThreads, Kernel::kSharedStorageSize,
                          stream, Kernel::to_params(params));
   if (err != cudaSuccess) { return err; }

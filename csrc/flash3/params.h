@@ -12,12 +12,12 @@ namespace flash3 {
 // A paged K/V is loaded in boxes of this many rows, each within one page (paged_kv.h).
 constexpr int kPageChunkRows = 16;
 
-// The fewest rows of any packed-batch kernel's tile (queries in the forward, keys in the
-// backward): the binding sizes the tile table for it.
+// The fewest query rows of any packed-batch forward kernel's tile: the binding sizes the
+// tile table for it.
 constexpr int kPackedMinBlockRows = 64;
 
-// The host's bound on a packed batch's tiles (scheduler_packed.h): every sequence has at
-// most one partial tile, and whole tiles cover at most the total rows.
+// The host's bound on a packed batch's query tiles (scheduler_packed.h): every sequence
+// has at most one partial tile, and whole tiles cover at most total_q rows.
 inline int64_t packed_tile_bound(int64_t total_q, int64_t batch, int64_t nheads, int block_m) {
   return (total_q / block_m + batch) * nheads;
 }
@@ -48,10 +48,9 @@ struct FwdParams {
   int const* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
-  // The packed-batch kernels' tile table (scheduler_packed.h), entries of 8 int32, and
-  // its capacity in entries: packed_tile_bound(total, batch, nheads, kPackedMinBlockRows)
-  // for the tiled side's total (total_q in the forward, total_k in the backward). Null
-  // for a forward whose sequences fit one tile each.
+  // The packed-batch forward's tile table (scheduler_packed.h), entries of 8 int32, and
+  // its capacity in entries: packed_tile_bound(total_q, batch, nheads,
+  // kPackedMinBlockRows). Null where every sequence fits one tile (decoding).
   int* packed_tiles = nullptr;
   int packed_tiles_capacity = 0;
   // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v

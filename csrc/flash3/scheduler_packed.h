@@ -34,9 +34,8 @@ namespace flash3 {
 // Sequences sorted by key count up to this many per batch (one CTA ranks them in shared memory).
 constexpr int kPackedSortedMax = 1024;
 
-// What the table kernel needs: the batch layout (seqlen.h SeqLayout's pointers), which
-// side is tiled (queries in the forward, keys in the backward; the other side's length
-// orders the sequences, a tile's work grows with it), and the tiling.
+// What the table kernel needs: the batch layout (seqlen.h SeqLayout's pointers) and the
+// query tiling. The keys' lengths order the sequences (a tile's work grows with them).
 struct PackedTileArgs {
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;
@@ -44,8 +43,7 @@ struct PackedTileArgs {
   int const* seqused_k;  // or null
   int batch;
   int nheads;
-  bool tile_keys;  // tiles of keys (the backward), else of queries
-  int block_rows;  // rows of the tiled side per tile
+  int block_rows;  // query rows per tile
   bool last_first;  // each head's tiles from the last one
   // Multiprocessors: a sequence's heads in sections whose first tiles start together
   // (scheduler.h section_size, the dense causal kernels' order); 0: head by head.
@@ -71,10 +69,10 @@ struct alignas(16) PackedTileEntry {
 };
 static_assert(sizeof(PackedTileEntry) == 8 * sizeof(int), "params.h counts the table in 8-int entries");
 
-// The host's count of table entries for tiles of block_rows rows of the tiled side's
-// total rows (at most the table's capacity).
-inline int packed_tile_entries(FwdParams const& p, int64_t total_rows, int block_rows) {
-  int64_t const bound = packed_tile_bound(total_rows, p.batch, p.nheads, block_rows);
+// The host's count of table entries for query tiles of block_rows rows (at most the
+// table's capacity).
+inline int packed_tile_entries(FwdParams const& p, int block_rows) {
+  int64_t const bound = packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
   return int(bound < p.packed_tiles_capacity ? bound : p.packed_tiles_capacity);
 }
 
@@ -107,38 +105,40 @@ CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
   return {e.seqlen_q, e.seqlen_k, e.offset_q, e.offset_k, 0, varlen_padded_offset(e.offset_q, batch)};
 }
 
-template <bool kPersistent>
+// Packed batches whose grid over the longest sequence holds no more tiles than the host's
+// bound (equal or near-equal lengths; decoding, one query tile per sequence) keep the
+// dense batches' scheduler `Dense` and its order (sections, the dealt tail); the others
+// walk the table: one CTA per entry where the kernel is not persistent, a snake over the
+// entries where it is.
+template <class Dense, bool kPersistent>
 struct PackedTileScheduler {
-  // Where no sequence has more than one tile (decoding; the host knows from the longest
-  // length), the grid is one tile per sequence and head, without a table: no table
-  // kernel before a call that may take only a few microseconds.
   struct Params {
-    PackedTileEntry const* tiles;  // or null: tile t is sequence t / nheads, head t % nheads
-    int num_tiles;  // entries of the table (the host's bound), or batch * nheads
+    typename Dense::Params dense;
+    PackedTileEntry const* tiles;  // or null: the dense scheduler's grid and order
+    int num_tiles;  // the table's entries (the host's bound), or the dense grid's tiles
     int nheads;
   };
+  using Coord = typename Dense::Coord;
 
-  struct Coord {
-    int m_block;
-    int head;
-    int batch;
-  };
+  static bool uses_table(FwdParams const& p, int block_rows) {
+    int64_t const dense_tiles = int64_t((p.seqlen_q + block_rows - 1) / block_rows) * p.batch * p.nheads;
+    return p.packed_tiles != nullptr && dense_tiles > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
+  }
 
-  // The table, or none where every sequence fits one tile of block_rows.
-  static bool uses_table(FwdParams const& p, int block_rows) { return p.seqlen_q > block_rows; }
-
-  static Params to_params(FwdParams const& p, int block_rows) {
-    if (!uses_table(p, block_rows)) { return {nullptr, p.batch * p.nheads, p.nheads}; }
-    return {reinterpret_cast<PackedTileEntry const*>(p.packed_tiles), packed_tile_entries(p, p.total_q, block_rows),
-            p.nheads};
+  static Params to_params(FwdParams const& p, int block_rows, typename Dense::Params const& dense) {
+    if (!uses_table(p, block_rows)) { return {dense, nullptr, dense.num_tiles, p.nheads}; }
+    return {dense, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
+            packed_tile_entries(p, block_rows), p.nheads};
   }
 
   static dim3 grid(Params const& params, int num_sms) {
+    if (params.tiles == nullptr) { return Dense::grid(params.dense, num_sms); }
     return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
   }
 
   CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
   CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
+    if (params.tiles == nullptr) { return Dense::next_tile(params.dense, tile); }
     if constexpr (!kPersistent) {
       return params.num_tiles;
     } else {
@@ -147,10 +147,7 @@ struct PackedTileScheduler {
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
-    if (params.tiles == nullptr) {
-      int const batch = tile / params.nheads;
-      return {0, tile - batch * params.nheads, batch};
-    }
+    if (params.tiles == nullptr) { return Dense::coord(params.dense, tile); }
     PackedTile const t = packed_tile_at(params.tiles, tile, params.nheads);
     return {t.block, t.head, t.batch};
   }
