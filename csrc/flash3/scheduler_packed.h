@@ -105,49 +105,70 @@ CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
   return {e.seqlen_q, e.seqlen_k, e.offset_q, e.offset_k, 0, varlen_padded_offset(e.offset_q, batch)};
 }
 
-// Packed batches whose grid over the longest sequence holds no more tiles than the host's
-// bound (equal or near-equal lengths; decoding, one query tile per sequence) keep the
-// dense batches' scheduler `Dense` and its order (sections, the dealt tail); the others
-// walk the table: one CTA per entry where the kernel is not persistent, a snake over the
+// Without the table: persistent kernels keep the dense batches' scheduler `Dense` and its
+// order (the snake with its dealt tail) where their grid over the longest sequence holds
+// no more tiles than the host's bound (equal or near-equal lengths, decoding); the other
+// kernels run one CTA per sequence and head where every sequence fits one tile
+// (decoding: no table kernel before a call of a few microseconds). (The dense scheduler
+// beside the table in the one-CTA-per-tile kernels made ptxas spill 100-200 B at hdim
+// 256; they have the dense order within each sequence from the table anyway.)
+// With the table: one CTA per entry where the kernel is not persistent, a snake over the
 // entries where it is.
 template <class Dense, bool kPersistent>
 struct PackedTileScheduler {
   struct Params {
-    typename Dense::Params dense;
-    PackedTileEntry const* tiles;  // or null: the dense scheduler's grid and order
-    int num_tiles;  // the table's entries (the host's bound), or the dense grid's tiles
+    typename Dense::Params dense;  // used by persistent kernels only
+    PackedTileEntry const* tiles;  // or null
+    int num_tiles;  // the table's entries (the host's bound), or the tiles without it
     int nheads;
   };
   using Coord = typename Dense::Coord;
 
   static bool uses_table(FwdParams const& p, int block_rows) {
-    int64_t const dense_tiles = int64_t((p.seqlen_q + block_rows - 1) / block_rows) * p.batch * p.nheads;
-    return p.packed_tiles != nullptr && dense_tiles > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
+    if (p.packed_tiles == nullptr) { return false; }
+    int64_t const longest = (p.seqlen_q + block_rows - 1) / block_rows;
+    if constexpr (kPersistent) {
+      return longest * p.batch * p.nheads > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
+    } else {
+      return longest > 1;
+    }
   }
 
   static Params to_params(FwdParams const& p, int block_rows, typename Dense::Params const& dense) {
-    if (!uses_table(p, block_rows)) { return {dense, nullptr, dense.num_tiles, p.nheads}; }
-    return {dense, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles),
-            packed_tile_entries(p, block_rows), p.nheads};
+    if (uses_table(p, block_rows)) {
+      return {dense, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles), packed_tile_entries(p, block_rows),
+              p.nheads};
+    }
+    return {dense, nullptr, kPersistent ? dense.num_tiles : p.batch * p.nheads, p.nheads};
   }
 
   static dim3 grid(Params const& params, int num_sms) {
-    if (params.tiles == nullptr) { return Dense::grid(params.dense, num_sms); }
-    return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
+    if constexpr (kPersistent) {
+      if (params.tiles == nullptr) { return Dense::grid(params.dense, num_sms); }
+      return dim3(num_sms < params.num_tiles ? num_sms : params.num_tiles);
+    } else {
+      return dim3(params.num_tiles);
+    }
   }
 
   CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
   CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
-    if (params.tiles == nullptr) { return Dense::next_tile(params.dense, tile); }
-    if constexpr (!kPersistent) {
-      return params.num_tiles;
+    if constexpr (kPersistent) {
+      return params.tiles == nullptr ? Dense::next_tile(params.dense, tile) : snake_next_tile(tile);
     } else {
-      return snake_next_tile(tile);
+      return params.num_tiles;
     }
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
-    if (params.tiles == nullptr) { return Dense::coord(params.dense, tile); }
+    if (params.tiles == nullptr) {
+      if constexpr (kPersistent) {
+        return Dense::coord(params.dense, tile);
+      } else {
+        int const batch = tile / params.nheads;
+        return {0, tile - batch * params.nheads, batch};
+      }
+    }
     PackedTile const t = packed_tile_at(params.tiles, tile, params.nheads);
     return {t.block, t.head, t.batch};
   }
