@@ -20,7 +20,7 @@ import torch
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))
-from bench_varlen import Impl, graph_ms, results_header, tflops, write_results  # noqa: E402
+from bench_varlen import Impl, cell, measure, ratio_cell, results_header, tflops, write_results  # noqa: E402
 
 TOKENS = 16384
 HEADS = 16
@@ -53,14 +53,6 @@ def fns(impl, name, q, k, v, causal):
                                                   dq, dk, dv, scale, causal))
 
 
-def measure(fn):
-    try:
-        return graph_ms(fn)
-    except Exception as exc:  # noqa: BLE001  (a backend's failure is a cell, not the end of the run)
-        print(f"    failed: {type(exc).__name__}: {exc}", flush=True)
-        return None
-
-
 def run(impl, seqlens, kinds):
     rows = []
     for causal in (False, True):
@@ -83,21 +75,10 @@ def run(impl, seqlens, kinds):
                     row[f"{name}_{kind}_ms"] = ms
                     row[f"{name}_{kind}_tflops"] = tflops(flop(b, s, D, dv, causal, kind), ms) if ms else None
             rows.append(row)
-            print("  " + " ".join(f"{k}={_f(v)}" for k, v in row.items() if "tflops" in k or k in ("seqlen",
-                                                                                                      "causal")),
-                  flush=True)
+            measured = " ".join(f"{k}={cell(v)}" for k, v in row.items() if "tflops" in k)
+            print(f"  seqlen={s} causal={causal} {measured}", flush=True)
             del q, k, v, v_plain, cells
     return rows
-
-
-def _f(x):
-    if isinstance(x, bool) or x is None:
-        return "-" if x is None else str(x)
-    return f"{x:.0f}"
-
-
-def _r(a, b):
-    return "-" if not a or not b else f"{a / b:.2f}"
 
 
 def markdown(data):
@@ -110,7 +91,7 @@ def markdown(data):
         cells = ["yes" if r["causal"] else "no", str(r["seqlen"])]
         for kind in ("fwd", "bwd"):
             mine, fa3, plain = (r.get(f"{n}_{kind}_tflops") for n in ("flash3", "fa3", "flash3_plain"))
-            cells += [_f(mine), _f(fa3), _r(mine, fa3), _f(plain), _r(mine, plain)]
+            cells += [cell(mine), cell(fa3), ratio_cell(mine, fa3, 2), cell(plain), ratio_cell(mine, plain, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"TFLOPs/s with each GEMM counted at its head dim ({D} or {DV}); '192/192' is flash3 with v of "
               f"head dim {D} on the same q and k."]

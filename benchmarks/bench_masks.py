@@ -26,7 +26,8 @@ import torch
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))
-from bench_varlen import BWD_FLOP_FACTOR, Impl, graph_ms, results_header, tflops, write_results  # noqa: E402
+from bench_varlen import (BWD_FLOP_FACTOR, Impl, cell, measure, ratio_cell, results_header, tflops,  # noqa: E402
+                          write_results)
 
 HIDDEN = 2048
 TOKENS = 32768
@@ -69,14 +70,6 @@ def fns(impl, name, q, k, v, scale, left, softcap, sinks):
                                                   dq, dk, dv, scale, True, left, 0, softcap))
 
 
-def measure(fn):
-    try:
-        return graph_ms(fn)
-    except Exception as exc:  # noqa: BLE001  (a backend's failure is a cell, not the end of the run)
-        print(f"    failed: {type(exc).__name__}: {exc}", flush=True)
-        return None
-
-
 def run(impl, hdims, seqlens, configs):
     rows = []
     for d in hdims:
@@ -105,20 +98,13 @@ def run(impl, hdims, seqlens, configs):
                     cms = causal_ms[0 if kind == "fwd" else 1]
                     row[f"causal_{kind}_tflops"] = tflops(causal_flop * factor, cms) if cms else None
                 rows.append(row)
-                print(f"  hdim {d:3d} {s:6d} {config:16s} fwd {_f(row['flash3_fwd_tflops'])} / FA3 "
-                      f"{_f(row.get('fa3_fwd_tflops'))} ({_r(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'))})"
-                      f"  bwd {_f(row['flash3_bwd_tflops'])} / FA3 {_f(row.get('fa3_bwd_tflops'))} "
-                      f"({_r(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'))})", flush=True)
+                print(f"  hdim {d:3d} {s:6d} {config:16s} fwd {cell(row['flash3_fwd_tflops'])} / FA3 "
+                      f"{cell(row.get('fa3_fwd_tflops'))} "
+                      f"({ratio_cell(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'), 2)})"
+                      f"  bwd {cell(row['flash3_bwd_tflops'])} / FA3 {cell(row.get('fa3_bwd_tflops'))} "
+                      f"({ratio_cell(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'), 2)})", flush=True)
             del q, k, v
     return rows
-
-
-def _f(x):
-    return "-" if x is None else f"{x:.0f}"
-
-
-def _r(a, b):
-    return "-" if not a or not b else f"{a / b:.2f}"
 
 
 def markdown(data):
@@ -130,9 +116,9 @@ def markdown(data):
     for r in data["rows"]:
         cells = [str(r["hdim"]), str(r["seqlen"]), r["config"]]
         for kind in ("fwd", "bwd"):
-            cells += [_f(r.get(f"flash3_{kind}_tflops")), _f(r.get(f"fa3_{kind}_tflops")),
-                      _r(r.get(f"flash3_{kind}_tflops"), r.get(f"fa3_{kind}_tflops")),
-                      _f(r.get(f"causal_{kind}_tflops"))]
+            cells += [cell(r.get(f"flash3_{kind}_tflops")), cell(r.get(f"fa3_{kind}_tflops")),
+                      ratio_cell(r.get(f"flash3_{kind}_tflops"), r.get(f"fa3_{kind}_tflops"), 2),
+                      cell(r.get(f"causal_{kind}_tflops"))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "TFLOPs/s over the pairs each mask lets through; 'causal' is flash3's causal kernel on the "
               "same shape (no window, no softcap)."]

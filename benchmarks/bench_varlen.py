@@ -215,20 +215,22 @@ def grid_equal(impl, hdims, seqlens, causals):
     return rows
 
 
-def _f(x, nd=0):
+def cell(x, nd=0):
+    """A table cell: x with nd decimals, or '-' where it was not measured."""
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def _r(a, b):
-    return "-" if a is None or b is None or not b else f"{a / b:.3f}"
+def ratio_cell(a, b, nd=3):
+    """A table cell: a / b with nd decimals, or '-' where either is missing."""
+    return "-" if a is None or b is None or not b else f"{a / b:.{nd}f}"
 
 
 def _line_equal(r):
     return (f"  equal hdim {r['hdim']:3d} {'causal' if r['causal'] else 'full  '} {r['seqlen']:5d}: "
-            f"fwd varlen/dense {_r(r['varlen_fwd_tflops'], r['dense_fwd_tflops'])} "
-            f"/fa3 {_r(r['varlen_fwd_tflops'], r.get('fa3_fwd_tflops'))}  "
-            f"bwd varlen/dense {_r(r['varlen_bwd_tflops'], r['dense_bwd_tflops'])} "
-            f"/fa3 {_r(r['varlen_bwd_tflops'], r.get('fa3_bwd_tflops'))}")
+            f"fwd varlen/dense {ratio_cell(r['varlen_fwd_tflops'], r['dense_fwd_tflops'])} "
+            f"/fa3 {ratio_cell(r['varlen_fwd_tflops'], r.get('fa3_fwd_tflops'))}  "
+            f"bwd varlen/dense {ratio_cell(r['varlen_bwd_tflops'], r['dense_bwd_tflops'])} "
+            f"/fa3 {ratio_cell(r['varlen_bwd_tflops'], r.get('fa3_bwd_tflops'))}")
 
 
 def grid_mix(impl, hdims, causals, total=65536, seed=0):
@@ -265,10 +267,11 @@ def grid_mix(impl, hdims, causals, total=65536, seed=0):
                 row[key.replace("_ms", "_tflops")] = tflops(flop * (BWD_FLOP_FACTOR if kind == "bwd" else 1),
                                                             row[key])
             rows.append(row)
-            print(f"  mix hdim {d:3d} {'causal' if causal else 'full  '}: fwd flash3 {_f(row['flash3_fwd_tflops'])} "
-                  f"fa3 {_f(row.get('fa3_fwd_tflops'))} ({_r(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'))})"
-                  f"  bwd flash3 {_f(row['flash3_bwd_tflops'])} fa3 {_f(row.get('fa3_bwd_tflops'))} "
-                  f"({_r(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'))})", flush=True)
+            print(f"  mix hdim {d:3d} {'causal' if causal else 'full  '}: "
+                  f"fwd flash3 {cell(row['flash3_fwd_tflops'])} fa3 {cell(row.get('fa3_fwd_tflops'))} "
+                  f"({ratio_cell(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'))})"
+                  f"  bwd flash3 {cell(row['flash3_bwd_tflops'])} fa3 {cell(row.get('fa3_bwd_tflops'))} "
+                  f"({ratio_cell(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'))})", flush=True)
             del q, k, v
     return rows, lengths
 
@@ -284,10 +287,11 @@ def markdown(data):
         for r in data["mix"]:
             for kind in ("fwd", "bwd"):
                 lines.append(
-                    f"| {r['hdim']} | {'yes' if r['causal'] else 'no'} | {kind} | {_f(r.get(f'flash3_{kind}_tflops'))} "
-                    f"| {_f(r.get(f'fa3_{kind}_tflops'))} | "
-                    f"{_r(r.get(f'flash3_{kind}_tflops'), r.get(f'fa3_{kind}_tflops'))} | "
-                    f"{_f(r.get(f'flash3_padded_{kind}_tflops'))} | {_f(r.get(f'sdpa_padded_{kind}_tflops'))} |")
+                    f"| {r['hdim']} | {'yes' if r['causal'] else 'no'} | {kind} | "
+                    f"{cell(r.get(f'flash3_{kind}_tflops'))} "
+                    f"| {cell(r.get(f'fa3_{kind}_tflops'))} | "
+                    f"{ratio_cell(r.get(f'flash3_{kind}_tflops'), r.get(f'fa3_{kind}_tflops'))} | "
+                    f"{cell(r.get(f'flash3_padded_{kind}_tflops'))} | {cell(r.get(f'sdpa_padded_{kind}_tflops'))} |")
         lines.append("")
     if data.get("equal"):
         lines += ["## Equal lengths (paper grid through the varlen call), TFLOPs/s", "",
@@ -297,10 +301,10 @@ def markdown(data):
         for r in data["equal"]:
             cells = [str(r["hdim"]), "yes" if r["causal"] else "no", str(r["seqlen"])]
             for kind in ("fwd", "bwd"):
-                cells += [_f(r.get(f"dense_{kind}_tflops")), _f(r.get(f"varlen_{kind}_tflops")),
-                          _r(r.get(f"varlen_{kind}_tflops"), r.get(f"dense_{kind}_tflops")),
-                          _f(r.get(f"fa3_{kind}_tflops")),
-                          _r(r.get(f"varlen_{kind}_tflops"), r.get(f"fa3_{kind}_tflops"))]
+                cells += [cell(r.get(f"dense_{kind}_tflops")), cell(r.get(f"varlen_{kind}_tflops")),
+                          ratio_cell(r.get(f"varlen_{kind}_tflops"), r.get(f"dense_{kind}_tflops")),
+                          cell(r.get(f"fa3_{kind}_tflops")),
+                          ratio_cell(r.get(f"varlen_{kind}_tflops"), r.get(f"fa3_{kind}_tflops"))]
             lines.append("| " + " | ".join(cells) + " |")
         ratios = {kind: [r[f"varlen_{kind}_tflops"] / r[f"dense_{kind}_tflops"] for r in data["equal"]
                          if r.get(f"varlen_{kind}_tflops") and r.get(f"dense_{kind}_tflops")]
