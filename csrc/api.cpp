@@ -45,6 +45,9 @@ void check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, do
 
 namespace flash3::api {
 
+// A key count past any sequence's: windows are not clamped to it.
+constexpr int64_t kUnclampedKeys = int64_t(1) << 30;
+
 // Where the sequences of a packed batch are (seqlen.h); the tensors are (total, nheads,
 // headdim) viewed as (1, total, nheads, headdim).
 struct Varlen {
@@ -54,6 +57,9 @@ struct Varlen {
   // The forward may read K and V through a page table (params.h).
   std::optional<at::Tensor> page_table = std::nullopt;
   int64_t page_size = 0, page_rows = 0;
+  // The KV-cache call's GQA-packed split-KV parts (params.h), forward only.
+  int64_t rows_per_query = 1;
+  bool split_keys = false;
 };
 
 // The options of the local-mask kernels as the ops take them: FlashAttention-3's window
@@ -113,6 +119,8 @@ void set_varlen(FwdParams& params, Varlen const& varlen) {
     params.page_size = static_cast<int>(varlen.page_size);
     params.page_rows = static_cast<int>(varlen.page_rows);
   }
+  params.rows_per_query = static_cast<int>(varlen.rows_per_query);
+  params.split_keys = varlen.split_keys;
 }
 
 // The tile table of a packed batch (flash3/scheduler_packed.h), sized for the kernels'
@@ -149,7 +157,10 @@ void run_forward(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, 
     // None where every sequence fits one tile (scheduler_packed.h): decoding.
     if (params.seqlen_q > flash3::kPackedMinBlockRows) { packed_tiles = alloc_packed_tiles(params, q); }
   }
-  flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, params.seqlen_k, params);
+  // Split-KV parts align their masks to keys past max_seqlen_k (the keys a part reads):
+  // the windows are not clamped to it.
+  int64_t const mask_keys = varlen != nullptr && varlen->split_keys ? kUnclampedKeys : params.seqlen_k;
+  flash3::MaskKind const mask = options.resolve(causal, params.seqlen_q, mask_keys, params);
 
   cudaError_t launch_status = cudaSuccess;
   bool const found = flash3::dispatch_fwd(dtype, static_cast<int>(headdim), mask, params,
@@ -355,8 +366,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
                                               bool /*deterministic*/, int64_t window_left, int64_t window_right,
                                               double softcap, std::optional<at::Tensor> const& sinks,
                                               std::optional<at::Tensor> const& page_table, int64_t page_size,
-                                              int64_t page_rows) {
+                                              int64_t page_rows, int64_t rows_per_query, bool split_keys) {
   check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  TORCH_CHECK(rows_per_query >= 1 && max_seqlen_q % rows_per_query == 0, "flash3: rows_per_query is ",
+              rows_per_query, "; supported: >= 1, dividing max_seqlen_q (", max_seqlen_q,
+              ") and every sequence's rows");
+  TORCH_CHECK(!split_keys || seqused_k.has_value(), "flash3: split_keys needs seqused_k");
   if (page_table.has_value()) {
     // Paged K and V (params.h): cu_seqlens_k holds virtual rows, the table maps them.
     TORCH_CHECK(page_table->scalar_type() == at::kInt && page_table->is_contiguous() &&
@@ -388,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q, at::Tensor co
     v4 = at::zeros({1, 1, v.size(1), headdim_v}, v.options());
   }
   flash3::api::Varlen const varlen{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                                   page_table, page_size, page_rows};
+                                   page_table, page_size, page_rows, rows_per_query, split_keys};
   flash3::api::run_forward(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, causal, options, &varlen);
   return {out, lse};
 }
@@ -466,7 +481,8 @@ TORCH_LIBRARY(flash3, m) {
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
       "Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
       "bool deterministic=False, " FLASH3_OPTIONS
-      ", Tensor? page_table=None, int page_size=0, int page_rows=0) -> (Tensor out, Tensor lse)");
+      ", Tensor? page_table=None, int page_size=0, int page_rows=0, int rows_per_query=1, bool split_keys=False)"
+      " -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, "

@@ -105,22 +105,24 @@ class AttentionVarlen : public torch::autograd::Function<AttentionVarlen> {
                                OptionalTensor const& seqused_q, OptionalTensor const& seqused_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic,
                                int64_t window_left, int64_t window_right, double softcap, OptionalTensor const& sinks,
-                               OptionalTensor const& page_table, int64_t page_size, int64_t page_rows) {
+                               OptionalTensor const& page_table, int64_t page_size, int64_t page_rows,
+                               int64_t rows_per_query, bool split_keys) {
     static auto const op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("flash3::fwd_varlen", "")
             .typed<OutLse(at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&,
                           at::Tensor const&, OptionalTensor const&, OptionalTensor const&, int64_t, int64_t, double,
                           bool, bool, int64_t, int64_t, double, OptionalTensor const&, OptionalTensor const&, int64_t,
-                          int64_t)>();
+                          int64_t, int64_t, bool)>();
     at::AutoDispatchBelowADInplaceOrView const below_autograd;
     auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, deterministic, window_left, window_right, softcap, sinks,
-                              page_table, page_size, page_rows);
+                              page_table, page_size, page_rows, rows_per_query, split_keys);
     save_options(ctx, softmax_scale, causal, deterministic, {window_left, window_right, softcap}, sinks);
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["paged"] = page_table.has_value();
+    ctx->saved_data["kv_parts"] = rows_per_query != 1 || split_keys;
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q.value_or(at::Tensor()),
                             seqused_k.value_or(at::Tensor()), sinks.value_or(at::Tensor())});
     return {out, lse};
@@ -129,6 +131,8 @@ class AttentionVarlen : public torch::autograd::Function<AttentionVarlen> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     TORCH_CHECK_NOT_IMPLEMENTED(!ctx->saved_data["paged"].toBool(),
                                 "flash3: no backward through a page_table (paged K/V is for inference)");
+    TORCH_CHECK_NOT_IMPLEMENTED(!ctx->saved_data["kv_parts"].toBool(),
+                                "flash3: no backward with rows_per_query or split_keys (the KV-cache call's parts)");
     static auto const op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("flash3::bwd_varlen", "")
@@ -147,7 +151,7 @@ class AttentionVarlen : public torch::autograd::Function<AttentionVarlen> {
                 options.window_left, options.window_right, options.softcap, defined_or_none(saved[9]));
     // One entry per forward argument; the sinks are the 16th.
     Variable const none;
-    variable_list result(19);
+    variable_list result(21);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -169,10 +173,11 @@ OutLse fwd_varlen_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor 
                            OptionalTensor const& seqused_q, OptionalTensor const& seqused_k, int64_t max_seqlen_q,
                            int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic,
                            int64_t window_left, int64_t window_right, double softcap, OptionalTensor const& sinks,
-                           OptionalTensor const& page_table, int64_t page_size, int64_t page_rows) {
+                           OptionalTensor const& page_table, int64_t page_size, int64_t page_rows,
+                           int64_t rows_per_query, bool split_keys) {
   auto outputs = AttentionVarlen::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                         max_seqlen_k, softmax_scale, causal, deterministic, window_left, window_right,
-                                        softcap, sinks, page_table, page_size, page_rows);
+                                        softcap, sinks, page_table, page_size, page_rows, rows_per_query, split_keys);
   return {outputs[0], outputs[1]};
 }
 

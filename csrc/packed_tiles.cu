@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   // Per sequence of the chunk, in batch order: rows used and first row, of q and k.
-  __shared__ int seqlen_q[kChunk], seqlen_k[kChunk], offset_q[kChunk], offset_k[kChunk];
+  __shared__ int seqlen_q[kChunk], seqlen_k[kChunk], offset_q[kChunk], offset_k[kChunk], keys_after[kChunk];
   __shared__ int seq_of_rank[kChunk];      // the chunk's sequences in schedule order
   __shared__ int blocks[kChunk];           // their tiles
   __shared__ int first_entry[kChunk];      // their first entry, from the chunk's first
@@ -46,7 +46,10 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
       offset_q[i] = args.cu_seqlens_q[b];
       offset_k[i] = args.cu_seqlens_k[b];
       seqlen_q[i] = used_rows(args.cu_seqlens_q, args.seqused_q, b);
-      seqlen_k[i] = used_rows(args.cu_seqlens_k, args.seqused_k, b);
+      SeqKeys const keys = split_seq_keys(used_rows(args.cu_seqlens_k, args.seqused_k, b), offset_k[i],
+                                          args.cu_seqlens_k[b + 1], args.split_keys);
+      seqlen_k[i] = keys.read;
+      keys_after[i] = keys.after;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += kThreads) {
@@ -102,7 +105,8 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
       entry.seqlen_k = seqlen_k[i];
       entry.offset_q = offset_q[i];
       entry.offset_k = offset_k[i];
-      entry.unused[0] = entry.unused[1] = 0;
+      entry.keys_after = keys_after[i];
+      entry.unused = 0;
       args.tiles[e] = entry;
     }
     chunk_begin_entry += chunk_entries;
@@ -110,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
   }
   // Past the batch's tiles (there are such entries only when every chunk was walked).
   for (int e = slice_begin + int(threadIdx.x); e < slice_end; e += kThreads) {
-    if (e >= chunk_begin_entry) { args.tiles[e] = PackedTileEntry{-1, 0, 0, 0, 0, 0, {0, 0}}; }
+    if (e >= chunk_begin_entry) { args.tiles[e] = PackedTileEntry{-1, 0, 0, 0, 0, 0, 0, 0}; }
   }
 }
 

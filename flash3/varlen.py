@@ -104,7 +104,7 @@ if _C is not None:
     @torch.library.register_fake("flash3::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-                         sinks=None, page_table=None, page_size=0, page_rows=0):
+                         sinks=None, page_table=None, page_size=0, page_rows=0, rows_per_query=1, split_keys=False):
         total_q, nheads, _ = q.shape
         return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 

@@ -122,7 +122,7 @@ struct FlashFwdKernel {
   static cudaError_t prepare(FwdParams const& p, cudaStream_t stream) {
     if constexpr (kVarlen) {
       if (!Scheduler::uses_table(p, Traits::kBlockM)) { return cudaSuccess; }
-      PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.batch, p.nheads,
+      PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.split_keys, p.batch, p.nheads,
                                 Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
                                 Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
                                 reinterpret_cast<PackedTileEntry*>(p.packed_tiles),

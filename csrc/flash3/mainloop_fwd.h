@@ -73,6 +73,7 @@ struct MainloopFwd {
   struct Params : Loads, Options, Pages {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
+    int rows_per_query;  // packed batches: query rows per query position (params.h)
     // From the scores the softmax sees (q.k, or under softcap tanh(...)) to logits, in
     // natural-log and log2 units (params.h logit_scale).
     float softmax_scale;
@@ -80,15 +81,22 @@ struct MainloopFwd {
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Loads::make(p), Options::make(p), Pages::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.logit_scale(),
-            p.logit_scale_log2()};
+    return {Loads::make(p), Options::make(p), Pages::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.rows_per_query,
+            p.logit_scale(), p.logit_scale_log2()};
   }
 
   CUTLASS_DEVICE static Policy policy_of(Params const& params, Seq const& seq) {
+    int window_left = 0, window_right = 0;
     if constexpr (Mask::kIsLocal) {
-      return {seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right};
+      window_left = params.window_left;
+      window_right = params.window_right;
+    }
+    if constexpr (kVarlen) {  // GQA-packed rows and split-KV parts (mask.h)
+      int const queries = params.rows_per_query == 1 ? seq.seqlen_q : seq.seqlen_q / params.rows_per_query;
+      return {seq.seqlen_q, seq.seqlen_k, window_left, window_right, seq.seqlen_k + seq.keys_after - queries,
+              params.rows_per_query};
     } else {
-      return {seq.seqlen_q, seq.seqlen_k};
+      return {seq.seqlen_q, seq.seqlen_k, window_left, window_right};
     }
   }
 

@@ -2,12 +2,18 @@
 // element-wise mask, and the mask itself.
 //
 // Masks are bottom-right aligned (as FlashAttention-2/3): with offset = seqlen_k -
-// seqlen_q, query row i sees key j iff
+// seqlen_q, query i sees key j iff
 //   causal:  j <= i + offset
 //   local:   i + offset - window_left <= j <= i + offset + window_right
 // (a sliding window; the binding clamps an unbounded side to the sequence length, which
 // is the same mask). Every policy also masks the key tail (j >= seqlen_k), since TMA
 // fills out-of-range K rows with zeros, which would otherwise score exp(0 - max) > 0.
+//
+// Two generalisations serve the KV-cache call's split-KV parts (flash3/kvcache.py):
+// query i is rows [i * rows_per_query, (i + 1) * rows_per_query) of the tile (the query
+// heads that share a K/V head, packed as rows), and the offset may count keys past
+// those the sequence reads (a part of a longer key range aligns its mask to the range's
+// end). By default (one row per query, offset = seqlen_k - seqlen_q) they change nothing.
 //
 // Tile (m_block, n_block) is visited iff some row of the query tile sees some key of the
 // key tile; the forward walks the key tiles of a query tile ([n_block_begin, n_block_end))
@@ -47,19 +53,25 @@ constexpr bool kVariableKeys = Mask::kIsCausal || Mask::kIsLocal;
 
 template <class Mask, int kBlockM, int kBlockN>
 struct MaskPolicy {
-  int seqlen_q;
-  int seqlen_k;
+  int seqlen_q;  // query rows
+  int seqlen_k;  // keys read
   // LocalMask only, each >= 0 (the binding clamps an unbounded side).
   int window_left = 0;
   int window_right = 0;
+  // Key j is visible to query i up to i + offset (causal; local: + window_right).
+  int offset = seqlen_k - seqlen_q;
+  int rows_per_query = 1;
 
   CUTLASS_HOST_DEVICE static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+  // The query of a tile row (rows past seqlen_q map past the last query).
+  CUTLASS_HOST_DEVICE int query(int row) const { return rows_per_query == 1 ? row : row / rows_per_query; }
 
   // Key tiles [n_block_begin, n_block_end) hold every key some row of query tile m_block can see.
   CUTLASS_HOST_DEVICE int n_block_begin(int m_block) const {
     if constexpr (Mask::kIsLocal) {
       // The first row's first key; none visible when it is past the keys.
-      int const first_key = m_block * kBlockM + seqlen_k - seqlen_q - window_left;
+      int const first_key = query(m_block * kBlockM) + offset - window_left;
       return first_key >= seqlen_k ? cute::ceil_div(seqlen_k, kBlockN) : max(first_key, 0) / kBlockN;
     } else {
       return 0;
@@ -68,13 +80,13 @@ struct MaskPolicy {
   CUTLASS_HOST_DEVICE int n_block_end(int m_block) const {
     int n_end = cute::ceil_div(seqlen_k, kBlockN);
     if constexpr (Mask::kIsCausal) {
-      // The last row of the tile sees keys up to (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q.
-      int last_key = min((m_block + 1) * kBlockM + seqlen_k - seqlen_q, seqlen_k);
+      // The last row of the tile sees keys up to query((m_block + 1) * kBlockM - 1) + offset.
+      int last_key = min(query((m_block + 1) * kBlockM - 1) + 1 + offset, seqlen_k);
       n_end = min(n_end, cute::ceil_div(last_key, kBlockN));
     } else if constexpr (Mask::kIsLocal) {
       // The tile's last row (rows past seqlen_q do not count) and its last key.
       int const last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
-      int const last_key = last_row + seqlen_k - seqlen_q + window_right;
+      int const last_key = query(last_row) + offset + window_right;
       n_end = min(n_end, floor_div(last_key, kBlockN) + 1);
     }
     return n_end;
@@ -87,15 +99,16 @@ struct MaskPolicy {
   // the backward's causal and unmasked ranges are in mainloop_bwd.h).
   CUTLASS_HOST_DEVICE int m_block_begin(int n_block) const {
     static_assert(Mask::kIsLocal);
-    // The first row whose window reaches the tile's first key; none when it is past the rows.
-    int const first_row = n_block * kBlockN - (seqlen_k - seqlen_q) - window_right;
+    // The first row whose window reaches the tile's first key; none when it is past the
+    // rows (the backward: one row per query).
+    int const first_row = n_block * kBlockN - offset - window_right;
     return first_row >= seqlen_q ? cute::ceil_div(seqlen_q, kBlockM) : max(first_row, 0) / kBlockM;
   }
   CUTLASS_HOST_DEVICE int m_block_end(int n_block) const {
     static_assert(Mask::kIsLocal);
     // The last row whose window reaches back to the tile's last key.
     int const last_key = min((n_block + 1) * kBlockN, seqlen_k) - 1;
-    int const last_row = last_key - (seqlen_k - seqlen_q) + window_left;
+    int const last_row = last_key - offset + window_left;
     return min(cute::ceil_div(seqlen_q, kBlockM), floor_div(last_row, kBlockM) + 1);
   }
 
@@ -104,13 +117,12 @@ struct MaskPolicy {
   CUTLASS_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     bool tail = (n_block + 1) * kBlockN > seqlen_k;
     if constexpr (Mask::kIsCausal) {
-      // The first row of the tile sees keys up to m_block * kBlockM + seqlen_k - seqlen_q.
-      bool diagonal = (n_block + 1) * kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q;
+      // The first row of the tile sees keys up to query(m_block * kBlockM) + offset.
+      bool diagonal = (n_block + 1) * kBlockN - 1 > query(m_block * kBlockM) + offset;
       return tail || diagonal;
     } else if constexpr (Mask::kIsLocal) {
-      int const offset = seqlen_k - seqlen_q;
-      bool const right = (n_block + 1) * kBlockN - 1 > m_block * kBlockM + offset + window_right;
-      bool const left = n_block * kBlockN < (m_block + 1) * kBlockM - 1 + offset - window_left;
+      bool const right = (n_block + 1) * kBlockN - 1 > query(m_block * kBlockM) + offset + window_right;
+      bool const left = n_block * kBlockN < query((m_block + 1) * kBlockM - 1) + offset - window_left;
       return tail || right || left;
     } else {
       return tail;
@@ -120,12 +132,12 @@ struct MaskPolicy {
   // The visible keys [col_begin, col_end) of query row `row`, in keys.
   CUTLASS_HOST_DEVICE int key_end(int row) const {
     int end = seqlen_k;
-    if constexpr (Mask::kIsCausal) { end = min(end, row + 1 + seqlen_k - seqlen_q); }
-    if constexpr (Mask::kIsLocal) { end = min(end, row + 1 + seqlen_k - seqlen_q + window_right); }
+    if constexpr (Mask::kIsCausal) { end = min(end, query(row) + 1 + offset); }
+    if constexpr (Mask::kIsLocal) { end = min(end, query(row) + 1 + offset + window_right); }
     return end;
   }
   CUTLASS_HOST_DEVICE int key_begin(int row) const {
-    if constexpr (Mask::kIsLocal) { return row + seqlen_k - seqlen_q - window_left; }
+    if constexpr (Mask::kIsLocal) { return query(row) + offset - window_left; }
     return 0;
   }
 
@@ -138,10 +150,6 @@ struct MaskPolicy {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(tSrS_rowcol); ++mi) {
       int const row = row0 + get<0>(tScS_rowcol(mi, 0));
-      int col_limit = seqlen_k;
-      if constexpr (Mask::kIsCausal) {
-        col_limit = min(col_limit, row + 1 + seqlen_k - seqlen_q);
-      }
       if constexpr (Mask::kIsLocal) {
         // One unsigned compare per element: col - col_begin in [0, width).
         int const col_begin = key_begin(row) - col0;
@@ -152,6 +160,7 @@ struct MaskPolicy {
           if (uint32_t(col - col_begin) >= width) { tSrS_rowcol(mi, ni) = -INFINITY; }
         }
       } else {
+        int const col_limit = key_end(row);
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
           if (col0 + get<1>(tScS_rowcol(mi, ni)) >= col_limit) {
@@ -176,7 +185,7 @@ struct MaskPolicy {
       for (int ni = 0; ni < size<1>(tStrSt_rowcol); ++ni) {
         bool masked = key >= seqlen_k;
         if constexpr (Mask::kIsCausal) {
-          masked = masked || key > query0 + get<1>(tStcSt_rowcol(mi, ni)) + seqlen_k - seqlen_q;
+          masked = masked || key > query0 + get<1>(tStcSt_rowcol(mi, ni)) + offset;
         }
         if constexpr (Mask::kIsLocal) {
           // One unsigned compare: key - key_begin in [0, width) (the tail is in key_end).

@@ -63,6 +63,12 @@ struct FwdParams {
   int const* page_table = nullptr;
   int page_size = 0;
   int page_rows = 0;
+  // The KV-cache call's split-KV parts (flash3/kvcache.py), forward only: the sequences
+  // are parts of longer key ranges (seqlen.h split_keys), and each query's rows_per_query
+  // query heads of one K/V head are consecutive rows (GQA packing; the masks see
+  // row / rows_per_query, mask.h). Neither changes a kernel where left at false and 1.
+  bool split_keys = false;
+  int rows_per_query = 1;
 
   int batch = 0;
   int seqlen_q = 0;
@@ -104,7 +110,9 @@ struct FwdParams {
   }
 
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
-  CUTLASS_HOST_DEVICE SeqLayout seq_layout() const { return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k}; }
+  CUTLASS_HOST_DEVICE SeqLayout seq_layout() const {
+    return {cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, split_keys};
+  }
   // The row and batch extents of the tensors as TMA sees them (tma.h).
   CUTLASS_HOST_DEVICE int rows_q() const { return is_varlen() ? total_q : seqlen_q; }
   CUTLASS_HOST_DEVICE int rows_k() const { return is_varlen() ? total_k : seqlen_k; }

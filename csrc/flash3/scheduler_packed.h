@@ -41,6 +41,7 @@ struct PackedTileArgs {
   int const* cu_seqlens_k;
   int const* seqused_q;  // or null
   int const* seqused_k;  // or null
+  bool split_keys;  // split-KV parts (seqlen.h)
   int batch;
   int nheads;
   int block_rows;  // query rows per tile
@@ -65,7 +66,8 @@ struct alignas(16) PackedTileEntry {
   int seqlen_k;
   int offset_q;
   int offset_k;
-  int unused[2];
+  int keys_after;  // seqlen.h Seq::keys_after
+  int unused;
 };
 static_assert(sizeof(PackedTileEntry) == 8 * sizeof(int), "params.h counts the table in 8-int entries");
 
@@ -102,7 +104,7 @@ CUTLASS_DEVICE void packed_tile_prefetch(PackedTileEntry const* tiles, int entry
 CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
   PackedTileEntry const& e = tiles[entry];
   int const batch = e.batch < 0 ? 0 : e.batch;
-  return {e.seqlen_q, e.seqlen_k, e.offset_q, e.offset_k, 0, varlen_padded_offset(e.offset_q, batch)};
+  return {e.seqlen_q, e.seqlen_k, e.offset_q, e.offset_k, 0, varlen_padded_offset(e.offset_q, batch), e.keys_after};
 }
 
 // Without the table: persistent kernels keep the dense batches' scheduler `Dense` and its

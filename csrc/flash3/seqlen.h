@@ -7,6 +7,11 @@
 // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, of which seqused_q[b] and
 // seqused_k[b], where given, are used. The lengths are read on the device, per tile: the
 // host knows only their maxima, so a call needs no host synchronisation.
+//
+// Split-KV parts (split_keys, the KV-cache call): sequence b is a part of a longer key
+// range that starts at its first key; seqused_k[b] counts the keys from there to the
+// range's end, of which it reads those of its slot [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+// and its masks count the rest (mask.h).
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -29,7 +34,21 @@ struct Seq {
   // sequence b's rows start at a multiple of the pad, with room for its last tile before
   // sequence b + 1's; 0 for dense batches, whose workspaces have a batch dimension.
   int offset_q_padded;
+  // Keys past seqlen_k that the masks' alignment counts (split-KV parts), else 0.
+  int keys_after = 0;
 };
+
+// Sequence b's keys read and keys after them (split_keys), from its slot's first row
+// begin_k, the slot's end end_k and its seqused_k entry used_k (or the slot's length).
+struct SeqKeys {
+  int read;
+  int after;
+};
+CUTLASS_HOST_DEVICE SeqKeys split_seq_keys(int used_k, int begin_k, int end_k, bool split_keys) {
+  int const slot = end_k - begin_k;
+  if (!split_keys || used_k <= (slot > 0 ? slot : 0)) { return {used_k, 0}; }  // (parts past the range: none)
+  return {slot, used_k - slot};
+}
 
 // Sequence b's first row in the backward's padded workspaces, from its first row begin_q.
 CUTLASS_HOST_DEVICE int varlen_padded_offset(int begin_q, int b) {
@@ -43,6 +62,7 @@ struct SeqLayout {
   int const* seqused_k = nullptr;
   int seqlen_q = 0;  // dense: every sequence's length; packed: the maxima
   int seqlen_k = 0;
+  bool split_keys = false;  // the sequences are split-KV parts (above)
 
   CUTLASS_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
 
@@ -63,7 +83,9 @@ struct SeqLayout {
     int const begin_k = cu_seqlens_k[b];
     int const len_q = seqused_q != nullptr ? seqused_q[b] : cu_seqlens_q[b + 1] - begin_q;
     int const len_k = seqused_k != nullptr ? seqused_k[b] : cu_seqlens_k[b + 1] - begin_k;
-    return {len_q, len_k, begin_q, begin_k, 0, varlen_padded_offset(begin_q, b)};
+    if (!split_keys) { return {len_q, len_k, begin_q, begin_k, 0, varlen_padded_offset(begin_q, b)}; }
+    SeqKeys const keys = split_seq_keys(len_k, begin_k, cu_seqlens_k[b + 1], true);
+    return {len_q, keys.read, begin_q, begin_k, 0, varlen_padded_offset(begin_q, b), keys.after};
   }
 };
 

@@ -3,7 +3,8 @@
 // the query tiles a key tile visits (the same relation: the deterministic backward's dQ
 // turns count on it), the tiles that may skip the element-wise mask, and each row's
 // visible keys. Built and run by tests/test_mask_policy.py; prints "ok" and the number
-// of cases, or the first failure.
+// of cases, or the first failure. Also the forward's generalisations: several rows per
+// query (GQA-packed rows) and keys past those read that count for the alignment.
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -15,15 +16,21 @@ namespace {
 struct Problem {
   int seqlen_q, seqlen_k, left, right;  // left/right: the clamped window (>= 0)
   bool causal;                          // the causal mask instead of the window
+  int group = 1;                        // rows per query (seqlen_q rows: seqlen_q / group queries)
+  int keys_after = 0;                   // keys past seqlen_k that count for the alignment
+  int offset() const { return seqlen_k + keys_after - seqlen_q / group; }
 };
 
-// FlashAttention's bottom-right-aligned masks, element by element.
-bool visible(Problem const& p, int i, int j) {
-  if (i < 0 || i >= p.seqlen_q || j < 0 || j >= p.seqlen_k) { return false; }
-  int const offset = p.seqlen_k - p.seqlen_q;
-  if (p.causal) { return j <= i + offset; }
-  return j >= i + offset - p.left && j <= i + offset + p.right;
+// FlashAttention's bottom-right-aligned masks, element by element; rows past seqlen_q
+// as the kernels see them (their query continues the count).
+bool visible_any_row(Problem const& p, int i, int j) {
+  if (j < 0 || j >= p.seqlen_k) { return false; }
+  int const query = i / p.group;
+  if (p.causal) { return j <= query + p.offset(); }
+  return j >= query + p.offset() - p.left && j <= query + p.offset() + p.right;
 }
+
+bool visible(Problem const& p, int i, int j) { return i >= 0 && i < p.seqlen_q && visible_any_row(p, i, j); }
 
 bool tile_visible(Problem const& p, int m, int n, int bm, int bn) {
   for (int i = m * bm; i < (m + 1) * bm; ++i) {
@@ -39,8 +46,8 @@ int failures = 0;
   do {                                                                      \
     if (!(cond)) {                                                          \
       if (failures++ < 10) {                                                \
-        std::printf("FAIL %s (sq=%d sk=%d left=%d right=%d causal=%d): ", #cond, p.seqlen_q, p.seqlen_k, p.left, \
-                    p.right, int(p.causal));                                \
+        std::printf("FAIL %s (sq=%d sk=%d left=%d right=%d causal=%d group=%d after=%d): ", #cond, p.seqlen_q, \
+                    p.seqlen_k, p.left, p.right, int(p.causal), p.group, p.keys_after); \
         std::printf(__VA_ARGS__);                                           \
         std::printf("\n");                                                  \
       }                                                                     \
@@ -49,7 +56,8 @@ int failures = 0;
 
 template <class Mask, int kBlockM, int kBlockN>
 void check(Problem const& p) {
-  flash3::MaskPolicy<Mask, kBlockM, kBlockN> const policy{p.seqlen_q, p.seqlen_k, p.left, p.right};
+  flash3::MaskPolicy<Mask, kBlockM, kBlockN> const policy{p.seqlen_q, p.seqlen_k, p.left, p.right, p.offset(),
+                                                          p.group};
   int const m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   int const n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   for (int m = 0; m < m_blocks; ++m) {
@@ -66,9 +74,7 @@ void check(Problem const& p) {
         // Every element of the tile, rows past seqlen_q included, is visible.
         for (int i = m * kBlockM; i < (m + 1) * kBlockM; ++i) {
           for (int j = n * kBlockN; j < (n + 1) * kBlockN; ++j) {
-            bool const v = j < p.seqlen_k && (p.causal ? j <= i + p.seqlen_k - p.seqlen_q
-                                                       : !Mask::kIsLocal || (j >= i + p.seqlen_k - p.seqlen_q - p.left &&
-                                                                             j <= i + p.seqlen_k - p.seqlen_q + p.right));
+            bool const v = (p.causal || Mask::kIsLocal) ? visible_any_row(p, i, j) : j < p.seqlen_k;
             EXPECT(v, "m=%d n=%d skips the mask but (%d, %d) is masked", m, n, i, j);
           }
         }
@@ -76,7 +82,8 @@ void check(Problem const& p) {
     }
   }
   if constexpr (Mask::kIsLocal) {
-    for (int n = 0; n < n_blocks; ++n) {
+    // The backward's ranges (one row per query, no keys past those read).
+    for (int n = 0; n < (p.group == 1 && p.keys_after == 0 ? n_blocks : 0); ++n) {
       int const begin = policy.m_block_begin(n), end = policy.m_block_end(n);
       for (int m = 0; m < m_blocks; ++m) {
         bool const in_range = m >= begin && m < end;
@@ -117,6 +124,17 @@ int main(int argc, char** argv) {
     p.causal = true;
     check<flash3::CausalMask, 128, 128>(p);
     check<flash3::CausalMask, 64, 112>(p);
+    // GQA-packed rows and keys past those read (split-KV parts of the KV-cache call).
+    p.group = uniform(1, 8);
+    p.seqlen_q = p.group * uniform(1, 48);
+    p.keys_after = uniform(0, 2) == 0 ? 0 : uniform(0, 300);
+    p.left = side(p.seqlen_k + p.keys_after);
+    p.right = side(p.seqlen_q);
+    check<flash3::CausalMask, 128, 176>(p);
+    check<flash3::CausalMask, 64, 128>(p);
+    p.causal = false;
+    check<flash3::LocalMask, 128, 176>(p);
+    check<flash3::LocalMask, 64, 128>(p);
   }
   if (failures > 0) {
     std::printf("%d failures\n", failures);
