@@ -4,23 +4,24 @@
 // four launches (query packing, splits, attention, merge) rather than dozens of
 // elementwise operations.
 //
-// kvcache_splits: sequence b's keys [lo, seqlens[b]) (lo: where a left window starts for a
-// single query row) are cut into `splits` parts; part j of b is packed-batch sequence
-// b * splits + j. A dense cache: parts of `size` keys (a fixed size, or
-// ceil(span / (splits * align)) * align), part j's first row b * per_batch + lo + j * size,
-// its length clamp(span - j * size, 0, size). A paged cache (page_table given): part j is
-// page j of the sequence (splits = max_pages), its keys [j, j + 1) * page_size within
-// [lo, seqlens[b]), at row page_table[b][j] * per_batch (the rows from one page to the
-// next) + their offset in the page.
+// kvcache_splits: sequence b's keys [lo, seqlens[b]) (lo: where a left window starts for
+// its first query, seqlens[b] - seqlen_q - window_left) are cut into `splits` parts; part
+// j of b is packed-batch sequence b * splits + j. A dense cache: parts of `size` keys (a
+// fixed size, or ceil(span / (splits * align)) * align), part j's first row b * per_batch
+// + lo + j * size, its length clamp(span - j * size, 0, size). With split_keys (the
+// kernels' split-KV parts, flash3/params.h) lo is rounded down to kPageChunkRows and part
+// j's length counts the keys to the end of the span, span - j * size (or 0), of which it
+// reads its slot. A paged cache (page_table given): part j is page j of the sequence
+// (splits = max_pages), its keys [j, j + 1) * page_size within [lo, seqlens[b]), at row
+// page_table[b][j] * per_batch (the rows from one page to the next) + their offset in
+// the page.
 //
 // kvcache_combine: out_partial (batch, splits, rows, nheads_k, d) and lse_partial
 // (nheads_k, batch, splits, rows), rows = seqlen_q * group (query head kvh * group + i at
 // position t is row t * group + i of K/V head kvh). Writes out (batch, seqlen_q, nheads, d)
 // and lse (batch, nheads, seqlen_q): lse = log(sum_s exp(lse_s)) (with the head's sink
 // logit in the sum where sinks are given) and out = sum_s exp(lse_s - lse) * out_s, in
-// float32. A row no split saw (and no sink) gets 0 and -inf. out_tail (batch * seqlen_q,
-// nheads, d) and lse_tail (nheads, batch * seqlen_q), where given, are one more part (the
-// varlen kernels' layout: the causal tail of several query tokens, flash3/kvcache.py).
+// float32. A row no split saw (and no sink) gets 0 and -inf.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -32,19 +33,22 @@
 #include <cmath>
 #include <cstdint>
 
+#include "flash3/params.h"
+
 namespace flash3 {
 namespace {
 
 __global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const* __restrict__ page_table,
                                       int page_size, int batch, int64_t per_batch, int window_left, int splits,
-                                      int align, int fixed_size, int total_rows, int* __restrict__ cu_k,
-                                      int* __restrict__ used) {
+                                      int align, int fixed_size, int total_rows, int seqlen_q, bool split_keys,
+                                      int* __restrict__ cu_k, int* __restrict__ used) {
   int const i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i == 0) { cu_k[batch * splits] = total_rows; }
   if (i >= batch * splits) { return; }
   int const b = i / splits, j = i % splits;
   int const len = seqlens[b];
-  int const lo = window_left >= 0 ? max(0, len - 1 - window_left) : 0;
+  int lo = window_left >= 0 ? max(0, len - seqlen_q - window_left) : 0;
+  if (split_keys) { lo = lo / kPageChunkRows * kPageChunkRows; }
   if (page_table != nullptr) {
     int64_t const page_begin = int64_t(j) * page_size;
     int64_t const first = max(page_begin, int64_t(lo));
@@ -60,7 +64,8 @@ __global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const
   int const size = fixed_size > 0 ? fixed_size : int((span + unit - 1) / unit) * align;
   int64_t const start = int64_t(j) * size;
   cu_k[i] = int(b * per_batch + lo + start);
-  used[i] = int(min(max(int64_t(span) - start, int64_t(0)), int64_t(size)));
+  int64_t const rest = max(int64_t(span) - start, int64_t(0));
+  used[i] = int(split_keys ? rest : min(rest, int64_t(size)));
 }
 
 template <class T>
@@ -85,8 +90,7 @@ constexpr int kCombineWarps = 8;
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     kvcache_combine_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
-                           float const* __restrict__ sinks, T const* __restrict__ out_tail,
-                           float const* __restrict__ lse_tail, T* __restrict__ out, float* __restrict__ lse, int batch,
+                           float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse, int batch,
                            int splits, int rows, int nheads_k, int headdim, int group) {
   __shared__ float reduce[kCombineWarps];
   __shared__ float partial[kCombineWarps][256];
@@ -107,9 +111,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   m = reduce[0];
   for (int w = 1; w < kCombineWarps; ++w) { m = fmaxf(m, reduce[w]); }
   float const sink = sinks != nullptr ? sinks[h] : -INFINITY;
-  int64_t const tail_row = int64_t(b) * seqlen_q + t;
-  float const tail = lse_tail != nullptr ? lse_tail[int64_t(h) * batch * seqlen_q + tail_row] : -INFINITY;
-  float const top = fmaxf(fmaxf(m, sink), tail);
+  float const top = fmaxf(m, sink);
   __syncthreads();
   float sum = 0.f;
   if (top != -INFINITY) {
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   __syncthreads();
   float total = -INFINITY;
   if (top != -INFINITY) {
-    sum = (sink != -INFINITY ? expf(sink - top) : 0.f) + (tail != -INFINITY ? expf(tail - top) : 0.f);
+    sum = sink != -INFINITY ? expf(sink - top) : 0.f;
     for (int w = 0; w < kCombineWarps; ++w) { sum += reduce[w]; }
     total = top + logf(sum);
   }
@@ -133,9 +135,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
         if (l == -INFINITY) { continue; }
         int64_t const at = (((int64_t(b) * splits + s) * rows + r) * nheads_k + kvh) * headdim + c;
         acc += expf(l - total) * to_float(out_partial[at]);
-      }
-      if (warp == 0 && tail != -INFINITY) {
-        acc += expf(tail - total) * to_float(out_tail[(tail_row * nheads + h) * headdim + c]);
       }
     }
     partial[warp][c] = acc;
@@ -153,13 +152,16 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std::optional<at::Tensor> const& page_table,
                                                   int64_t page_size, int64_t per_batch, int64_t window_left,
                                                   int64_t splits, int64_t align, int64_t fixed_size,
-                                                  int64_t total_rows) {
+                                                  int64_t total_rows, int64_t seqlen_q, bool split_keys) {
   TORCH_CHECK(seqlens.is_cuda() && seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.is_contiguous(),
               "flash3: kvcache_splits: seqlens must be a contiguous int32 CUDA tensor (batch,)");
   TORCH_CHECK(splits >= 1 && align >= 1 && fixed_size >= 0 && per_batch >= 0 && total_rows >= 0 &&
                   total_rows < (int64_t(1) << 31),
               "flash3: kvcache_splits: splits ", splits, ", align ", align, ", fixed_size ", fixed_size,
               ", per_batch ", per_batch, ", total_rows ", total_rows, " out of range");
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_q < (int64_t(1) << 31), "flash3: kvcache_splits: seqlen_q ", seqlen_q,
+              " out of range");
+  TORCH_CHECK(!(split_keys && page_table.has_value()), "flash3: kvcache_splits: split_keys with a dense key layout only");
   int64_t const batch = seqlens.size(0);
   if (page_table.has_value()) {
     TORCH_CHECK(page_table->is_cuda() && page_table->scalar_type() == at::kInt && page_table->is_contiguous() &&
@@ -174,15 +176,13 @@ std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std
   kvcache_splits_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
       seqlens.data_ptr<int>(), page_table.has_value() ? page_table->data_ptr<int>() : nullptr, int(page_size),
       int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
-      int(total_rows), cu_k.data_ptr<int>(), used.data_ptr<int>());
+      int(total_rows), int(seqlen_q), split_keys, cu_k.data_ptr<int>(), used.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {cu_k, used};
 }
 
 std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial, at::Tensor const& lse_partial,
-                                                   std::optional<at::Tensor> const& sinks, int64_t group,
-                                                   std::optional<at::Tensor> const& out_tail,
-                                                   std::optional<at::Tensor> const& lse_tail) {
+                                                   std::optional<at::Tensor> const& sinks, int64_t group) {
   TORCH_CHECK(out_partial.is_cuda() && out_partial.dim() == 5 && out_partial.is_contiguous(),
               "flash3: kvcache_combine: out_partial must be a contiguous CUDA tensor (batch, splits, rows, nheads_k, d)");
   TORCH_CHECK(out_partial.scalar_type() == at::kBFloat16 || out_partial.scalar_type() == at::kHalf,
@@ -201,16 +201,6 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
                 "flash3: kvcache_combine: sinks must be contiguous float32 (nheads,)");
   }
   int64_t const seqlen_q = rows / group, nheads = nheads_k * group;
-  TORCH_CHECK(out_tail.has_value() == lse_tail.has_value(), "flash3: kvcache_combine: out_tail and lse_tail go together");
-  if (out_tail.has_value()) {
-    TORCH_CHECK(out_tail->is_cuda() && out_tail->scalar_type() == out_partial.scalar_type() &&
-                    out_tail->is_contiguous() && out_tail->dim() == 3 && out_tail->size(0) == batch * seqlen_q &&
-                    out_tail->size(1) == nheads && out_tail->size(2) == headdim,
-                "flash3: kvcache_combine: out_tail must be contiguous (batch * seqlen_q, nheads, d) like out_partial");
-    TORCH_CHECK(lse_tail->is_cuda() && lse_tail->scalar_type() == at::kFloat && lse_tail->is_contiguous() &&
-                    lse_tail->dim() == 2 && lse_tail->size(0) == nheads && lse_tail->size(1) == batch * seqlen_q,
-                "flash3: kvcache_combine: lse_tail must be contiguous float32 (nheads, batch * seqlen_q)");
-  }
   c10::cuda::CUDAGuard const guard(out_partial.device());
   at::Tensor out = at::empty({batch, seqlen_q, nheads, headdim}, out_partial.options());
   at::Tensor lse = at::empty({batch, nheads, seqlen_q}, lse_partial.options());
@@ -219,18 +209,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
   TORCH_CHECK(blocks < (int64_t(1) << 31), "flash3: kvcache_combine: too many rows");
   int const threads = kCombineWarps * 32;
   float const* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  float const* lse_tail_ptr = lse_tail.has_value() ? lse_tail->data_ptr<float>() : nullptr;
-  void const* out_tail_ptr = out_tail.has_value() ? out_tail->data_ptr() : nullptr;
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   if (out_partial.scalar_type() == at::kBFloat16) {
     kvcache_combine_kernel<__nv_bfloat16><<<int(blocks), threads, 0, stream>>>(
         reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
-        static_cast<__nv_bfloat16 const*>(out_tail_ptr), lse_tail_ptr, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
         int(nheads_k), int(headdim), int(group));
   } else {
     kvcache_combine_kernel<__half><<<int(blocks), threads, 0, stream>>>(
         reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
-        static_cast<__half const*>(out_tail_ptr), lse_tail_ptr, reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+        reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
         int(nheads_k), int(headdim), int(group));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -242,9 +230,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
 
 TORCH_LIBRARY_FRAGMENT(flash3, m) {
   m.def("kvcache_splits(Tensor seqlens, Tensor? page_table, int page_size, int per_batch, int window_left, "
-        "int splits, int align, int fixed_size, int total_rows) -> (Tensor cu_k, Tensor used)");
-  m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group, Tensor? out_tail=None, "
-        "Tensor? lse_tail=None) -> (Tensor out, Tensor lse)");
+        "int splits, int align, int fixed_size, int total_rows, int seqlen_q=1, bool split_keys=False) "
+        "-> (Tensor cu_k, Tensor used)");
+  m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {

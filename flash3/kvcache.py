@@ -8,10 +8,8 @@ to its sequence's first ``cache_seqlens[b] + seqlen_new`` keys.
 The attention runs on the variable-length forward kernels (``torch.ops.flash3.fwd_varlen``):
 each sequence's keys are a slot of the cache seen as one packed tensor, and
 ``seqused_k`` holds the lengths, so nothing is synchronised with the host and a decode
-step can be captured in a CUDA graph. When every query row of a sequence sees the same
-keys (one query per sequence, or no causal mask and no window) two things make a decode
-step fill the GPU (with a few causal query tokens, for the keys all of them see; the
-last ones run causally apart and the merge takes them as one more part):
+step can be captured in a CUDA graph. Two things make a decode step (one query token, or
+a few: speculative decoding) fill the GPU:
 
 * GQA packing: the query heads that share a K/V head become rows of one tile, so a
   single query token does not leave a 128-row tile almost empty;
@@ -20,6 +18,12 @@ last ones run causally apart and the merge takes them as one more part):
   logsumexps (flash3.combine's formula). The split of a sequence depends only on its own
   length and the split count, so with a fixed ``num_splits`` (or ``split_size``) a
   request's output does not depend on the rest of the batch.
+
+Where every query row sees the same keys (one query, or neither a causal mask nor a
+window) the parts run the unmasked kernels. Otherwise the kernels apply the mask to the
+packed rows (row r is query r // group) with each part aligned to its sequence's end
+(``split_keys``, csrc/flash3/params.h), while the packed rows fit one query tile; longer
+query chunks run one kernel call over the cache, the mask applied per query head.
 
 Sinks are merged into the logsumexp after the kernels there (they join the denominator
 with no value). A paged cache whose pages are whole boxes of 16 rows is read in place:
@@ -47,11 +51,11 @@ _SPLIT_ALIGN = 128
 # page sizes, the rows between pages and split starts must be multiples of it.
 _PAGE_CHUNK = 16
 _MAX_SPLITS = 128
-# Several causal query tokens take the prefix / tail split (_attend_causal_queries) while
-# their packed rows (seqlen_q * query heads per K/V head) fit one query tile; beyond, one
-# causal kernel call over the cache is faster (a 4 x 8192-token prefill through the
-# split wrote and merged a partial output of every row: 3x the time of the one call).
-_CAUSAL_SPLIT_ROWS = 128
+# Masked query chunks run packed and split (_attend_masked) while their packed rows
+# (seqlen_q * query heads per K/V head) fit one query tile; beyond, one kernel call over
+# the cache is faster (a 4 x 8192-token prefill through the split wrote and merged a
+# partial output of every row: 3x the time of the one call).
+_MASKED_SPLIT_ROWS = 128
 # Pages of a multiple of 128 keys, read in place: splits of at most this many keys per
 # head dim, so that the packed kernels run their short-sequence tile (traits.h
 # short_seq_max_seqlen, unmasked), whose 128- and 64-key tiles each lie in one page and
@@ -68,12 +72,13 @@ _PAGE_SPLIT_MIN = 128
 if _C is not None:
 
     @torch.library.register_fake("flash3::kvcache_splits")
-    def _splits_fake(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, total_rows):
+    def _splits_fake(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, total_rows,
+                     seqlen_q=1, split_keys=False):
         n = seqlens.shape[0] * splits
         return seqlens.new_empty((n + 1,)), seqlens.new_empty((n,))
 
     @torch.library.register_fake("flash3::kvcache_combine")
-    def _combine_fake(out_partial, lse_partial, sinks, group, out_tail=None, lse_tail=None):
+    def _combine_fake(out_partial, lse_partial, sinks, group):
         batch, _, rows, nheads_k, headdim = out_partial.shape
         out = out_partial.new_empty((batch, rows // group, nheads_k * group, headdim))
         return out, lse_partial.new_empty((batch, nheads_k * group, rows // group))
@@ -425,51 +430,39 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     unwindowed = c.window_left < 0 and c.window_right < 0
     if not c.packed_q and (c.seqlen_q == 1 or (not c.causal and unwindowed)):
         out, lse = _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks)
-    elif (not c.packed_q and c.causal and c.window_left < 0
-          and c.seqlen_q * (c.nheads // c.nheads_k) <= _CAUSAL_SPLIT_ROWS):
-        out, lse = _attend_causal_queries(c, q, k_cache, v_cache, seqlens, page_table, sinks)
+    elif not c.packed_q and c.seqlen_q * (c.nheads // c.nheads_k) <= _MASKED_SPLIT_ROWS:
+        out, lse = _attend_masked(c, q, k_cache, v_cache, seqlens, page_table, sinks)
     else:
         kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
         return _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
-def _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks, kv=None, tail=None):
+def _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     """Every query row of sequence b sees its keys [lo, seqlens[b]) (lo: a left window's
-    start for one query row, else 0): GQA packing and split-KV. kv: the cache's _Rows,
-    where the caller has them; tail: (out, lse) of one more part to merge (the causal
-    tail of several query tokens). Returns (out, lse)."""
-    if (kv is None and c.paged and c.window_left >= 0 and c.page_size >= _PAGE_SPLIT_MIN
+    start for one query row, else 0): GQA packing and split-KV. Returns (out, lse)."""
+    if (c.paged and c.window_left >= 0 and c.page_size >= _PAGE_SPLIT_MIN
             and _pages_in_place(c, q.device, page_table)):
         return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks)
-    if kv is None:
-        kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
+    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
+    return _attend_split(c, q, kv, seqlens, sinks, masked=False)
+
+
+def _attend_masked(c, q, k_cache, v_cache, seqlens, page_table, sinks):
+    """A few query tokens under a causal mask or a window: GQA packing and split-KV, the
+    kernels applying the mask to the packed rows, each part aligned to its sequence's
+    last key (split_keys). Parts start at a box of _PAGE_CHUNK keys. Returns (out, lse)."""
+    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
+    return _attend_split(c, q, kv, seqlens, sinks, masked=True)
+
+
+def _attend_split(c, q, kv, seqlens, sinks, masked):
+    """Sequence b's keys (from a left window's start) cut into parts, run packed."""
     max_keys = _PAGED_SPLIT_KEYS.get(c.headdim) if kv.pages is not None and c.page_size % 128 == 0 else None
     splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device, max_keys)
     cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, c.window_left, splits,
-                                                 _SPLIT_ALIGN, c.split_size or 0, kv.total)
-    return _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, tail)
-
-
-def _attend_causal_queries(c, q, k_cache, v_cache, seqlens, page_table, sinks):
-    """Several causal query tokens (speculative decoding, chunked prefill of a dense
-    batch): the keys before A = the first query's position + 1, rounded down to a box of
-    _PAGE_CHUNK keys, are seen by every row and run packed and split (_attend_same_keys);
-    the rest (fewer than seqlen_q + _PAGE_CHUNK per sequence) run causally, in place;
-    the split merge takes their result as one more part. Returns (out, lse)."""
-    sq = c.seqlen_q
-    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
-    prefix = torch.clamp(seqlens - (sq - 1), min=0) // _PAGE_CHUNK * _PAGE_CHUNK  # int32 (batch,)
-    steps = torch.arange(c.batch + 1, device=q.device, dtype=torch.int32)
-    cu_k = steps * kv.per_batch
-    cu_k[:-1] += prefix
-    max_tail = sq - 1 + _PAGE_CHUNK - 1
-    mask = _mask_kind(True, (-1, -1), c.softcap, None, sq, max_tail)
-    _check_built("fwd", q, True, mask, _NAME)
-    tail = torch.ops.flash3.fwd_varlen(
-        q.reshape(c.batch * sq, c.nheads, c.headdim), kv.keys, kv.values, steps * sq, cu_k, None, seqlens - prefix,
-        sq, max_tail, c.softmax_scale, True, False, -1, -1, c.softcap, None, *kv.kernel_args())
-    return _attend_same_keys(c, q, k_cache, v_cache, prefix, page_table, sinks, kv=kv, tail=tail)
+                                                 _SPLIT_ALIGN, c.split_size or 0, kv.total, c.seqlen_q, masked)
+    return _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, masked)
 
 
 def _pages_in_place(c, device, page_table):
@@ -491,8 +484,8 @@ def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     (keys, page_rows), (values, _) = views
     splits = page_table.shape[1]
     cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, page_rows,
-                                                 c.window_left, splits, 1, 0, keys.shape[0])
-    return _attend_packed(c, q, _Rows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks)
+                                                 c.window_left, splits, 1, 0, keys.shape[0], 1, False)
+    return _attend_packed(c, q, _Rows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks, False)
 
 
 def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
@@ -506,7 +499,8 @@ def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
     else:
         q_rows = q
     # One part per sequence: its keys [0, seqlens[b]) from row b * per_batch.
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, -1, 1, _SPLIT_ALIGN, 0, kv.total)
+    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, -1, 1, _SPLIT_ALIGN, 0, kv.total, 1,
+                                                 False)
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, kv.keys, kv.values, cu_seqlens_q.contiguous(), cu_k, None, used, c.seqlen_q, c.capacity,
         c.softmax_scale, c.causal, False, c.window_left, c.window_right, c.softcap,
@@ -518,23 +512,25 @@ def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, tail=None):
-    """Every query row of a sequence sees the same keys: GQA packing and split-KV. Split j
-    of sequence b is packed-batch sequence b * splits + j (its keys at cu_k, used).
-    Returns (out, lse)."""
+def _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, masked):
+    """GQA packing and split-KV: split j of sequence b is packed-batch sequence b * splits
+    + j (its keys at cu_k, used). masked: the call's causal mask and window apply, each
+    split aligned to its sequence's end (split_keys); else every row sees the split's
+    keys. Returns (out, lse)."""
     g = c.nheads // c.nheads_k
     rows = c.seqlen_q * g
-    mask = _mask_kind(False, (-1, -1), c.softcap, None, rows, max(c.capacity, 1))
-    _check_built("fwd", q, False, mask, _NAME)
+    causal = c.causal and masked
+    window = (c.window_left, c.window_right) if masked else (-1, -1)
+    mask = _mask_kind(causal, window, c.softcap, None, rows, max(c.capacity, 1))
+    _check_built("fwd", q, causal, mask, _NAME)
     # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh, once per split.
     qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
     qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
     q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
     cu_q = torch.arange(c.batch * splits + 1, device=q.device, dtype=torch.int32) * rows
     out, lse = torch.ops.flash3.fwd_varlen(
-        q_rows, kv.keys, kv.values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, False, False, -1, -1,
-        c.softcap, None, *kv.kernel_args())
-    out, lse = torch.ops.flash3.kvcache_combine(
+        q_rows, kv.keys, kv.values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, causal, False, *window,
+        c.softcap, None, *kv.kernel_args(), g, masked)
+    return torch.ops.flash3.kvcache_combine(
         out.view(c.batch, splits, rows, c.nheads_k, c.headdim), lse.view(c.nheads_k, c.batch, splits, rows),
-        None if sinks is None else sinks.float().contiguous(), g, *(tail or (None, None)))
-    return out, lse
+        None if sinks is None else sinks.float().contiguous(), g)

@@ -19,41 +19,71 @@ from flash3.reference import attention_ref
 DT = torch.float32
 
 
+def _masked_attention(q, k, v, scale, causal, left, right, softcap, sinks, group, keys_after):
+    """The kernels' masks on one sequence (csrc/flash3/mask.h): row r is query r // group,
+    bottom-right aligned to the keys read plus keys_after more; float64."""
+    rows, nk = q.shape[0], k.shape[0]
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # GQA
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    query = torch.arange(rows).unsqueeze(1) // group
+    key = torch.arange(nk).unsqueeze(0)
+    offset = nk + keys_after - rows // group
+    visible = torch.ones(rows, nk, dtype=torch.bool)
+    if causal:
+        visible &= key <= query + offset
+    if left >= 0:
+        visible &= key >= query + offset - left
+    if right >= 0 and not causal:
+        visible &= key <= query + offset + right
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more logit per head, no value
+        scores = torch.cat((scores, sinks.double().view(-1, 1, 1).expand(-1, rows, 1)), dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # (h, rows)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    out = torch.einsum("hqk,khd->qhd", probs[..., :nk], v.double())
+    return out, lse
+
+
 def _fwd_varlen(q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, deterministic, left, right,
-                softcap, sinks, page_table=None, page_size=0, page_rows=0):
+                softcap, sinks, page_table=None, page_size=0, page_rows=0, rows_per_query=1, split_keys=False):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
     cq, ck = cu_q.tolist(), cu_k.tolist()
     if page_table is not None:  # cu_k holds virtual rows (csrc/flash3/params.h)
         assert page_size % 16 == 0 and page_rows % 16 == 0 and all(x % 16 == 0 for x in ck[:-1])
         flat = page_table.flatten().long()
+    # The binding's window normalisation (split_keys: not clamped to max_k).
+    left_b = -1 if left >= (2**30 if split_keys else max_k) - 1 else left
+    right_b = -1 if right >= max_q - 1 else right
     for b in range(len(cq) - 1):
         nq = cq[b + 1] - cq[b] if used_q is None else int(used_q[b])
         nk = ck[b + 1] - ck[b] if used_k is None else int(used_k[b])
+        keys_after = 0
+        if split_keys:  # csrc/flash3/seqlen.h: the slot is read, the rest counts for the mask
+            assert used_k is not None and nq % rows_per_query == 0
+            keys_after = max(nk - max(ck[b + 1] - ck[b], 0), 0)
+            nk -= keys_after
         if page_table is not None:
             virtual = torch.arange(ck[b], ck[b] + nk)
             rows = flat[virtual // page_size] * page_rows + virtual % page_size
-            o, l = attention_ref(q[None, cq[b]:cq[b] + nq], k[None, rows], v[None, rows], softmax_scale=scale,
-                                 window_size=(-1 if left >= max_k - 1 else left,
-                                              0 if causal else (-1 if right >= max_q - 1 else right)),
-                                 softcap=softcap, sinks=sinks)
-            out[cq[b]:cq[b] + nq] = o[0].to(q.dtype)
-            lse[:, cq[b]:cq[b] + nq] = l[0]
-            continue
-        # The binding's window normalisation.
-        left_b = -1 if left >= max_k - 1 else left
-        right_b = 0 if causal else (-1 if right >= max_q - 1 else right)
-        o, l = attention_ref(q[None, cq[b]:cq[b] + nq], k[None, ck[b]:ck[b] + nk], v[None, ck[b]:ck[b] + nk],
-                             softmax_scale=scale, window_size=(left_b, right_b), softcap=softcap, sinks=sinks)
-        out[cq[b]:cq[b] + nq] = o[0].to(q.dtype)
-        lse[:, cq[b]:cq[b] + nq] = l[0]
+        else:
+            rows = torch.arange(ck[b], ck[b] + nk)
+        o, l = _masked_attention(q[cq[b]:cq[b] + nq], k[rows], v[rows], scale, causal, left_b, right_b, softcap,
+                                 sinks, rows_per_query, keys_after)
+        out[cq[b]:cq[b] + nq] = o.to(q.dtype)
+        lse[:, cq[b]:cq[b] + nq] = l.float()
     return out, lse
 
 
-def _kvcache_splits(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, total_rows):
+def _kvcache_splits(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, total_rows,
+                    seqlen_q=1, split_keys=False):
     cu, used = [], []
     for b, n in enumerate(seqlens.tolist()):
-        lo = max(0, n - 1 - window_left) if window_left >= 0 else 0
+        lo = max(0, n - seqlen_q - window_left) if window_left >= 0 else 0
+        if split_keys:
+            lo = lo // 16 * 16
         for j in range(splits):
             if page_table is not None:
                 begin = j * page_size
@@ -64,19 +94,14 @@ def _kvcache_splits(seqlens, page_table, page_size, per_batch, window_left, spli
                 span = max(0, n - lo)
                 size = fixed_size if fixed_size > 0 else -(-span // (splits * align)) * align
                 cu.append(b * per_batch + lo + j * size)
-                used.append(min(max(span - j * size, 0), size))
+                rest = max(span - j * size, 0)
+                used.append(rest if split_keys else min(rest, size))
     return torch.tensor(cu + [total_rows], dtype=torch.int32), torch.tensor(used, dtype=torch.int32)
 
 
-def _kvcache_combine(out_partial, lse_partial, sinks, group, out_tail=None, lse_tail=None):
+def _kvcache_combine(out_partial, lse_partial, sinks, group):
     batch, splits, rows, nheads_k, d = out_partial.shape
     lse = lse_partial.permute(1, 2, 3, 0)  # (batch, splits, rows, nheads_k)
-    if out_tail is not None:  # one more part, in the varlen kernels' layout
-        sq = rows // group
-        tail_out = out_tail.view(batch, sq, nheads_k, group, d).permute(0, 1, 3, 2, 4).reshape(batch, 1, rows, nheads_k, d)
-        tail_lse = lse_tail.view(nheads_k, group, batch, sq).permute(2, 3, 1, 0).reshape(batch, 1, rows, nheads_k)
-        out_partial = torch.cat((out_partial, tail_out), dim=1)
-        lse = torch.cat((lse, tail_lse), dim=1)
     terms = lse
     if sinks is not None:  # row r of K/V head kvh is query head kvh * group + r % group
         sink = sinks.view(nheads_k, group).t().repeat(rows // group, 1)  # (rows, nheads_k)
@@ -189,9 +214,12 @@ def test_append(cpu_ops, page_size, s_new, rotary):
 
 
 @pytest.mark.parametrize("options", [dict(num_splits=1), dict(num_splits=2), dict(num_splits=7), dict(num_splits=32),
-                                     dict(num_splits=0), dict(split_size=512)])
-def test_splits(cpu_ops, options):
-    _run(3, None, 1, h=16, hk=4, lengths=(3000, 1, 777, 0, 4096), capacity=4096, **options)
+                                     dict(num_splits=0), dict(split_size=512), dict(split_size=100)])
+@pytest.mark.parametrize("sq, mask", [(1, {}), (5, dict(causal=True)), (3, dict(causal=True, window_size=(300, -1))),
+                                      (6, dict(window_size=(1000, 2), softcap=3.0))])
+def test_splits(cpu_ops, options, sq, mask):
+    # Several query tokens under a mask: every split aligned to its sequence's end.
+    _run(3, None, sq, h=16, hk=4, lengths=(3000, 1, 777, 0, 4096, 5), capacity=4096, **mask, **options)
 
 
 @pytest.mark.parametrize("page_size", [16, 128, 256])

@@ -185,43 +185,51 @@ def test_append_then_attend(seed, page_size, rotary, s_new):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_split_counts_agree(seed, d):
-    """Split counts 1..many (and the automatic one) agree with each other and the reference."""
-    _skip_unless_built(d)
+@pytest.mark.parametrize("page_size", [64, 128])  # gathered pages; pages read in place
+@pytest.mark.parametrize("sq, opts", [(1, {}), (5, dict(causal=True)), (3, dict(causal=True, window_size=(300, -1)))])
+def test_split_counts_agree(seed, d, page_size, sq, opts):
+    """Split counts 1..many (and the automatic one) agree with each other and the
+    reference; several masked query tokens align every split to the sequence's end."""
+    _skip_unless_built(d, "none" if sq == 1 else "local" if "window_size" in opts else "causal")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    lengths = [3000, 1, 777, 0, 4096]
+    lengths = [3000, 1, 777, 0, 4096, 6]
     batch, capacity, h, hk = len(lengths), 4096, 16, 4
-    cache = Cache(gen, batch, capacity, hk, d, lengths, 64)
-    q = torch.randn(batch, 1, h, d, device="cuda", dtype=DT, generator=gen)
+    cache = Cache(gen, batch, capacity, hk, d, lengths, page_size)
+    cache.garble_unused_entries(lengths)
+    q = torch.randn(batch, sq, h, d, device="cuda", dtype=DT, generator=gen)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     outs = []
     for splits in (1, 2, 7, 32, 0):
         out, lse = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
-                                                 page_table=cache.page_table, num_splits=splits, return_lse=True)
-        _check_batch(q, cache, lengths, out, lse)
+                                                 page_table=cache.page_table, num_splits=splits, return_lse=True,
+                                                 **opts)
+        _check_batch(q, cache, lengths, out, lse, causal=opts.get("causal", False),
+                     window=opts.get("window_size", (-1, -1)))
         outs.append(out.float())
     for o in outs[1:]:
         assert (o - outs[0]).abs().max().item() <= 2e-2
 
 
-def test_fixed_split_size_is_batch_invariant(seed):
+@pytest.mark.parametrize("sq, causal", [(1, False), (4, True)])
+def test_fixed_split_size_is_batch_invariant(seed, sq, causal):
     """With split_size a request's output is bitwise the same alone and in any batch."""
     d = 128
-    _skip_unless_built(d)
+    _skip_unless_built(d, "causal" if causal else "none")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lengths = [2500, 40, 4000, 1]
     batch, capacity, h, hk = len(lengths), 4096, 32, 8
     cache = Cache(gen, batch, capacity, hk, d, lengths)
-    q = torch.randn(batch, 1, h, d, device="cuda", dtype=DT, generator=gen)
+    q = torch.randn(batch, sq, h, d, device="cuda", dtype=DT, generator=gen)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    out = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, split_size=512)
+    out = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, split_size=512, causal=causal)
     for b in range(batch):
         alone = flash3.attention_with_kvcache(q[b:b + 1], cache.k[b:b + 1], cache.v[b:b + 1],
-                                              cache_seqlens=seqlens[b:b + 1], split_size=512)
+                                              cache_seqlens=seqlens[b:b + 1], split_size=512, causal=causal)
         assert torch.equal(alone, out[b:b + 1])
     # ... and with the automatic split count, still within tolerance
-    auto, lse = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, return_lse=True)
-    _check_batch(q, cache, lengths, auto, lse)
+    auto, lse = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, return_lse=True,
+                                              causal=causal)
+    _check_batch(q, cache, lengths, auto, lse, causal=causal)
 
 
 @pytest.mark.parametrize("page_size", [16, 128])
