@@ -527,7 +527,9 @@ def _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, masked):
     qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
     qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
     q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
-    cu_q = torch.arange(c.batch * splits + 1, device=q.device, dtype=torch.int32) * rows
+    n = c.batch * splits + 1
+    cu_q = (torch.arange(0, n * rows, rows, device=q.device, dtype=torch.int32) if rows > 0  # one launch
+            else torch.zeros(n, device=q.device, dtype=torch.int32))
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, kv.keys, kv.values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, causal, False, *window,
         c.softcap, None, *kv.kernel_args(), g, masked)
