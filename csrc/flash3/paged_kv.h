@@ -80,16 +80,13 @@ struct PagedKV {
     Tensor s = flat_divide(s_stage, ChunkShape{});                                          // (R, d, kChunks, 1)
     auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
     int const outside = get<0>(shape) / kPageChunkRows + 1;  // a box wholly past the tensor's rows
-    // Every entry first, then the boxes: the TMA issues are ordered memory operations, so
-    // reads between them would wait for one another.
-    int boxes[kChunks];
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kChunks; ++c) {
       int const v = first_row + c * kPageChunkRows;
-      boxes[c] = v < end_row ? (page_table[v / page_size] * page_rows + v % page_size) / kPageChunkRows : outside;
+      int const box =
+          v < end_row ? (page_table[v / page_size] * page_rows + v % page_size) / kPageChunkRows : outside;
+      copy(tma.with(barrier), tg(_, box, _0{}), ts(_, c, _0{}));
     }
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kChunks; ++c) { copy(tma.with(barrier), tg(_, boxes[c], _0{}), ts(_, c, _0{})); }
   }
 
   CUTLASS_DEVICE void prefetch_descriptors() const {
