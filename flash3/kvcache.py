@@ -41,15 +41,13 @@ import torch
 from .interface import _C, _check_built, _check_devices, _check_flags, _check_options, _mask_kind
 from .interface import SUPPORTED_DTYPES, SUPPORTED_HEADDIMS
 from .interface import _fail as _fail_as
+from .kvcache_layout import CacheRows, append_new_tokens, cache_rows, paged_rows_view
 
 __all__ = ["attention_with_kvcache"]
 
 _NAME = "flash3.attention_with_kvcache"
 # Keys per split are a multiple of this (whole key tiles in every split but the last).
 _SPLIT_ALIGN = 128
-# The kernels read a paged cache in boxes of this many rows (params.h kPageChunkRows):
-# page sizes, the rows between pages and split starts must be multiples of it.
-_PAGE_CHUNK = 16
 _MAX_SPLITS = 128
 # Masked query chunks run packed and split (_attend_masked) while their packed rows
 # (seqlen_q * query heads per K/V head) fit one query tile; beyond, one kernel call over
@@ -232,118 +230,6 @@ class _Call:
         self.num_splits, self.split_size = num_splits, split_size
 
 
-def _rotate(x, cos, sin, interleaved):
-    """x (..., headdim) with cos, sin (..., rotary_dim / 2) broadcast over its heads:
-    the first rotary_dim features rotated (GPT-NeoX halves, or GPT-J pairs), in float32."""
-    rd = 2 * cos.shape[-1]
-    xr = x[..., :rd].float()
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((out.to(x.dtype), x[..., rd:]), dim=-1)
-
-
-def _slots(c, cache_seqlens, page_table, positions):
-    """Indices into k_cache's first two dims of the cache slots at `positions` (batch, n)."""
-    if not c.paged:
-        rows = torch.arange(c.batch, device=positions.device).unsqueeze(1).expand_as(positions)
-        return rows, positions
-    pages = page_table.long().gather(1, torch.div(positions, c.page_size, rounding_mode="floor"))
-    return pages, positions % c.page_size
-
-
-def _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin, interleaved):
-    """Rotates q and k (where rotary tables are given) and writes k, v into the cache at
-    cache_seqlens[b] + t. Returns the (maybe rotated) q."""
-    t = torch.arange(c.seqlen_new, device=q.device)
-    positions = cache_seqlens.long().unsqueeze(1) + t  # (batch, seqlen_new)
-    if rotary_cos is not None:
-        cos, sin = rotary_cos.float()[positions], rotary_sin.float()[positions]  # (batch, n, rd / 2)
-        k = _rotate(k, cos.unsqueeze(2), sin.unsqueeze(2), interleaved)
-        # Queries sit at the new tokens' positions when a causal mask or window orders them;
-        # otherwise all at the first new position (FlashAttention's convention).
-        tq = torch.arange(c.seqlen_q, device=q.device) if (c.causal or c.window_left >= 0 or c.window_right >= 0) \
-            else torch.zeros(c.seqlen_q, dtype=torch.long, device=q.device)
-        pos_q = cache_seqlens.long().unsqueeze(1) + tq
-        q = _rotate(q, rotary_cos.float()[pos_q].unsqueeze(2), rotary_sin.float()[pos_q].unsqueeze(2), interleaved)
-    index = _slots(c, cache_seqlens, page_table, positions)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
-    return q
-
-
-class _Rows:
-    """K and V as packed (rows, nheads_k, headdim) tensors, sequence b's keys from row
-    b * per_batch, and pages: None, or (page_table, page_size, page_rows) when those rows
-    are the kernels' virtual rows through the page table (params.h)."""
-
-    def __init__(self, keys, values, per_batch, pages=None):
-        self.keys, self.values, self.per_batch, self.pages = keys, values, per_batch, pages
-
-    @property
-    def total(self):
-        """The rows the splits op ends cu_seqlens_k with."""
-        return self.keys.shape[0] if self.pages is None else self.pages[0].shape[0] * self.per_batch
-
-    def kernel_args(self):
-        """fwd_varlen's trailing page arguments."""
-        return self.pages if self.pages is not None else (None, 0, 0)
-
-
-def _page_rows(c, cache):
-    """A paged cache as (rows, nheads_k, headdim), page p's slots from row p * page_rows,
-    and page_rows; None where the pages are not a whole number of rows apart."""
-    page_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-    if row_stride == 0 or page_stride % row_stride != 0:
-        return None
-    page_rows = page_stride // row_stride
-    total = (cache.shape[0] - 1) * page_rows + c.page_size
-    return cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1)), page_rows
-
-
-def _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=True):
-    """The cache as _Rows. A paged cache is read in place through the page table where its
-    pages are whole boxes and every key range starts at a box (starts_aligned: no left
-    window cuts a split's first box); otherwise the pages a sequence uses are gathered."""
-    if c.paged:
-        views = (_page_rows(c, k_cache), _page_rows(c, v_cache))
-        if (starts_aligned and c.page_size % _PAGE_CHUNK == 0 and None not in views
-                and views[0][1] == views[1][1] and views[0][1] % _PAGE_CHUNK == 0
-                and (c.split_size is None or c.split_size % _PAGE_CHUNK == 0)
-                and c.batch * c.capacity < 2 ** 31 and views[0][0].shape[0] < 2 ** 31):
-            pages = (page_table.contiguous(), c.page_size, views[0][1])
-            return _Rows(views[0][0], views[1][0], c.capacity, pages)
-        # Only the pages a sequence uses are gathered; the others read page 0 (any
-        # value: they lie past the length, where nothing is read).
-        max_pages = page_table.shape[1]
-        used = (torch.arange(max_pages, device=k_cache.device) * c.page_size).unsqueeze(0) < seqlens.unsqueeze(1)
-        pages = torch.where(used, page_table, torch.zeros_like(page_table)).flatten().long()
-        gathered = []
-        for cache in (k_cache, v_cache):
-            if cache.is_contiguous():
-                flat = cache.view(cache.shape[0], -1).index_select(0, pages)
-            else:
-                flat = cache[pages].reshape(pages.shape[0], -1)
-            gathered.append(flat.view(-1, c.nheads_k, c.headdim))
-        return _Rows(gathered[0], gathered[1], c.capacity)
-    views = []
-    for cache in (k_cache, v_cache):
-        batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-        if c.batch > 1 and batch_stride % row_stride != 0:
-            cache = cache.contiguous()  # batches not a whole number of rows apart: one copy
-            batch_stride, row_stride, head_stride = cache.stride(0), cache.stride(1), cache.stride(2)
-        per_batch = batch_stride // row_stride if c.batch > 1 else c.capacity
-        total = (c.batch - 1) * per_batch + c.capacity if c.batch > 0 else 0
-        views.append((cache.as_strided((total, c.nheads_k, c.headdim), (row_stride, head_stride, 1)), per_batch))
-    if views[0][1] != views[1][1]:  # K and V batches apart by different row counts
-        return _Rows(k_cache.contiguous().view(-1, c.nheads_k, c.headdim),
-                     v_cache.contiguous().view(-1, c.nheads_k, c.headdim), c.capacity)
-    return _Rows(views[0][0], views[1][0], views[0][1])
-
-
 def _choose_splits(c, rows_per_seq, heads, device, max_keys=None):
     """(splits, keys per split as an upper bound): num_splits or split_size as given, else
     about one tile per SM, each of at least 256 keys. (H200, hdim 128, 8 K/V heads, one
@@ -424,7 +310,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((c.batch,), cache_seqlens, dtype=torch.int32, device=device)
     if k is not None:
-        q = _append(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
+        q = append_new_tokens(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
                     rotary_interleaved)
     seqlens = cache_seqlens + c.seqlen_new if c.seqlen_new else cache_seqlens.contiguous()  # int32 (batch,)
     unwindowed = c.window_left < 0 and c.window_right < 0
@@ -433,7 +319,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     elif not c.packed_q and c.seqlen_q * (c.nheads // c.nheads_k) <= _MASKED_SPLIT_ROWS:
         out, lse = _attend_masked(c, q, k_cache, v_cache, seqlens, page_table, sinks)
     else:
-        kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
+        kv = cache_rows(c, k_cache, v_cache, seqlens, page_table)
         return _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse)
     return (out, lse) if return_lse else out
 
@@ -444,15 +330,16 @@ def _attend_same_keys(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     if (c.paged and c.window_left >= 0 and c.page_size >= _PAGE_SPLIT_MIN
             and _pages_in_place(c, q.device, page_table)):
         return _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks)
-    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
+    kv = cache_rows(c, k_cache, v_cache, seqlens, page_table, starts_aligned=c.window_left < 0)
     return _attend_split(c, q, kv, seqlens, sinks, masked=False)
 
 
 def _attend_masked(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     """A few query tokens under a causal mask or a window: GQA packing and split-KV, the
     kernels applying the mask to the packed rows, each part aligned to its sequence's
-    last key (split_keys). Parts start at a box of _PAGE_CHUNK keys. Returns (out, lse)."""
-    kv = _cache_rows(c, k_cache, v_cache, seqlens, page_table)
+    last key (split_keys). Parts start at a box of 16 keys (kvcache_layout.PAGE_CHUNK).
+    Returns (out, lse)."""
+    kv = cache_rows(c, k_cache, v_cache, seqlens, page_table)
     return _attend_split(c, q, kv, seqlens, sinks, masked=True)
 
 
@@ -478,14 +365,14 @@ def _pages_in_place(c, device, page_table):
 def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     """A paged cache of large pages where a left window starts the keys mid-box: each
     page is a split, read in place."""
-    views = (_page_rows(c, k_cache), _page_rows(c, v_cache))
+    views = (paged_rows_view(c, k_cache), paged_rows_view(c, v_cache))
     if None in views or views[0][1] != views[1][1]:
-        views = (_page_rows(c, k_cache.contiguous()), _page_rows(c, v_cache.contiguous()))  # one copy
+        views = (paged_rows_view(c, k_cache.contiguous()), paged_rows_view(c, v_cache.contiguous()))  # one copy
     (keys, page_rows), (values, _) = views
     splits = page_table.shape[1]
     cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, page_rows,
                                                  c.window_left, splits, 1, 0, keys.shape[0], 1, False)
-    return _attend_packed(c, q, _Rows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks, False)
+    return _attend_packed(c, q, CacheRows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks, False)
 
 
 def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
