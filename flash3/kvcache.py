@@ -311,7 +311,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         cache_seqlens = torch.full((c.batch,), cache_seqlens, dtype=torch.int32, device=device)
     if k is not None:
         q = append_new_tokens(c, q, k_cache, v_cache, k, v, cache_seqlens, page_table, rotary_cos, rotary_sin,
-                    rotary_interleaved)
+                              rotary_interleaved)
     seqlens = cache_seqlens + c.seqlen_new if c.seqlen_new else cache_seqlens.contiguous()  # int32 (batch,)
     unwindowed = c.window_left < 0 and c.window_right < 0
     if not c.packed_q and (c.seqlen_q == 1 or (not c.causal and unwindowed)):
