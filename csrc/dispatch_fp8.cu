@@ -2,7 +2,9 @@
 // (FLASH3_HDIMS, or e4m3 not in FLASH3_DTYPES) have a null launcher.
 #include "flash3/dispatch_fp8.h"
 
-#include <limits>
+#include <iterator>
+
+#include "flash3/variant_fwd.h"
 
 #ifndef FLASH3_HDIM_MASK
 #define FLASH3_HDIM_MASK 0x3f  // bit i: head dims {64, 96, 128, 192, 256, 192v128}[i]
@@ -38,14 +40,14 @@ constexpr FwdFp8Launcher fwd_fp8() {
   }
 }
 
+// The kernel run: of the entries for (hdim, causal) whose bounds hold the lengths, the most
+// specific (variant_fwd.h: the largest min_seqlen_k, then the smallest max_seqlen_k), as
+// for the 16-bit kernels' short tiles (launch_fwd.h).
 struct FwdFp8Entry {
   int headdim;
   bool causal;
   FwdFp8Launcher launch;
-  // The kernel run: of the entries whose [min_seqlen_k, max_seqlen_k] holds seqlen_k, the
-  // one with the largest min_seqlen_k, then the smallest max_seqlen_k.
-  int min_seqlen_k = 0;
-  int max_seqlen_k = std::numeric_limits<int>::max();
+  FwdVariantBounds bounds{};
 };
 
 // clang-format off
@@ -96,8 +98,9 @@ FwdFp8Entry const kFwdFp8Table[] = {
 std::vector<Fp8KernelInfo> built_kernels_fp8() {
   std::vector<Fp8KernelInfo> kernels;
   for (auto const& entry : kFwdFp8Table) {
-    if (entry.launch != nullptr && entry.min_seqlen_k == 0 &&
-        entry.max_seqlen_k == std::numeric_limits<int>::max()) {
+    FwdVariantBounds const any{};
+    if (entry.launch != nullptr && entry.bounds.min_seqlen_k == any.min_seqlen_k &&
+        entry.bounds.max_seqlen_k == any.max_seqlen_k) {
       kernels.push_back({entry.headdim, entry.causal});
     }
   }
@@ -105,16 +108,11 @@ std::vector<Fp8KernelInfo> built_kernels_fp8() {
 }
 
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
-  FwdFp8Entry const* chosen = nullptr;
-  for (auto const& entry : kFwdFp8Table) {
-    if (entry.headdim != headdim || entry.causal != causal || entry.launch == nullptr) { continue; }
-    int const seqlen_k = params.base.seqlen_k;
-    if (seqlen_k < entry.min_seqlen_k || seqlen_k > entry.max_seqlen_k) { continue; }
-    if (chosen == nullptr || entry.min_seqlen_k > chosen->min_seqlen_k ||
-        (entry.min_seqlen_k == chosen->min_seqlen_k && entry.max_seqlen_k < chosen->max_seqlen_k)) {
-      chosen = &entry;
-    }
-  }
+  FwdFp8Entry const* chosen =
+      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), params.base.seqlen_q, params.base.seqlen_k,
+                       [&](FwdFp8Entry const& entry) {
+                         return entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr;
+                       });
   if (chosen == nullptr) { return false; }
   *err = chosen->launch(params, stream);
   return true;

@@ -5,10 +5,13 @@
 
 #include <cuda_runtime.h>
 
+#include <iterator>
+
 #include "kernel_fwd.h"
 #include "launch_kernel.h"
 #include "params.h"
 #include "traits.h"
+#include "variant_fwd.h"
 
 namespace flash3 {
 
@@ -33,21 +36,33 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
 // both lengths (for packed batches, the longest sequence's) are short enough, or, for the
-// local mask, its window spans few enough keys (traits.h); the general one otherwise.
+// local mask, its window spans few enough keys (traits.h); the general one otherwise. The
+// choice is variant_fwd.h's, as for the FP8 kernels' variants (dispatch_fp8.cu).
 template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   constexpr bool kHasShortTile = kHeadDimV == kHeadDim && (Mask::kIsLocal ? kHasLocalShortTile<kHeadDim>
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
-    bool use_short = params.seqlen_q <= kMaxSeqlen && params.seqlen_k <= kMaxSeqlen;
-    if constexpr (Mask::kIsLocal) {
-      // Each side is at most the longest sequence (api.cpp clamps it); summed in 64 bits.
-      use_short |= int64_t(params.window_left) + params.window_right + 1 <= kMaxSeqlen;
-    }
-    if (use_short) { return launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>(params, stream); }
+    struct Variant {
+      FwdVariantBounds bounds;
+      cudaError_t (*launch)(FwdParams const&, cudaStream_t);
+    };
+    static constexpr Variant kVariants[] = {
+        {FwdVariantBounds{}, &launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>},
+        {short_seq_bounds(kMaxSeqlen), &launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>},
+    };
+    // Each side of a window is at most the longest sequence (api.cpp clamps it).
+    FwdVariantLengths const lengths =
+        Mask::kIsLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,
+                                               params.window_right, kMaxSeqlen)
+                       : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
+    Variant const* variant = pick_fwd_variant(std::begin(kVariants), std::end(kVariants), lengths.seqlen_q,
+                                              lengths.seqlen_k, [](Variant const&) { return true; });
+    return variant->launch(params, stream);
+  } else {
+    return launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>(params, stream);
   }
-  return launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>(params, stream);
 }
 
 }  // namespace flash3
