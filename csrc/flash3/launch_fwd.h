@@ -5,8 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <iterator>
-
 #include "kernel_fwd.h"
 #include "launch_kernel.h"
 #include "params.h"
@@ -44,25 +42,17 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
-    struct Variant {
-      FwdVariantBounds bounds;
-      cudaError_t (*launch)(FwdParams const&, cudaStream_t);
-    };
-    static constexpr Variant kVariants[] = {
-        {FwdVariantBounds{}, &launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>},
-        {short_seq_bounds(kMaxSeqlen), &launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>},
-    };
     // Each side of a window is at most the longest sequence (api.cpp clamps it).
     FwdVariantLengths const lengths =
         Mask::kIsLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,
                                                params.window_right, kMaxSeqlen)
                        : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
-    Variant const* variant = pick_fwd_variant(std::begin(kVariants), std::end(kVariants), lengths.seqlen_q,
-                                              lengths.seqlen_k, [](Variant const&) { return true; });
-    return variant->launch(params, stream);
-  } else {
-    return launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>(params, stream);
+    // Two variants, the general one serving every length: the short one wherever it serves.
+    if (short_seq_bounds(kMaxSeqlen).serves(lengths.seqlen_q, lengths.seqlen_k)) {
+      return launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>(params, stream);
+    }
   }
+  return launch_fwd_layout<Element, kHeadDim, Mask, false, kHeadDimV>(params, stream);
 }
 
 }  // namespace flash3
