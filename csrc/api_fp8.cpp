@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale = block_scales(v_scale, "v_scale", batch, nheads_k, k_blocks, q.device());
 
   c10::cuda::CUDAGuard const device_guard(q.device());
-  // The kernels index K's and V's scales with one offset (csrc/flash3/mainloop_fwd_fp8.h:
+  // The kernels index K's and V's scales with one offset (csrc/flash3/block_scales.h:
   // registers at hdim 256), so the two tensors must share their strides. Where a caller's
   // differ, both are copied contiguous (a float per head and key block, on the stream, and
   // the caching allocator keeps the copies until the kernel has read them). Strides of
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   at::Tensor const k_tma = flash3::api::tma_ready(k);
   at::Tensor const v_tma = flash3::api::tma_ready(v);
 
-  flash3::api::fill_fwd_params(params.base, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
+  flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
 
   cudaError_t status = cudaSuccess;
   bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,

@@ -109,7 +109,7 @@ std::vector<Fp8KernelInfo> built_kernels_fp8() {
 
 bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err) {
   FwdFp8Entry const* chosen =
-      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), params.base.seqlen_q, params.base.seqlen_k,
+      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), params.seqlen_q, params.seqlen_k,
                        [&](FwdFp8Entry const& entry) {
                          return entry.headdim == headdim && entry.causal == causal && entry.launch != nullptr;
                        });

@@ -8,7 +8,7 @@ kernel holds the instructions the design promises:
   BAR.SYNC / BAR.ARV   named barriers: forward, pingpong scheduling of the consumer
                warpgroups; backward, the P/dS hand-over between them (BAR.SYNC only)
 
-The FP8 kernels (flash_fwd_fp8_kernel) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
+The FP8 kernels (flash_fwd_kernel with KernelTraitsFp8) need QGMMA (FP8 WGMMA) instead of HGMMA, and the
 in-shared-memory V transpose: LDSM.16.MT88 (ldmatrix .trans) and STSM.16.M88 (stmatrix).
 Kernels built without pingpong (NO_PINGPONG, NO_PINGPONG_FP8) need no named barriers.
 
@@ -89,7 +89,7 @@ def is_varlen(name: str) -> bool:
 
 def kernel_config(name: str):
     """(head dim, causal) from the mangled name of flash_{fwd,bwd}_kernel<...KernelTraits<E, D, causal>...>
-    or flash_fwd_fp8_kernel<...KernelTraitsFp8<D, causal, N>...>."""
+    or flash_fwd_kernel<...KernelTraitsFp8<D, causal, N>...>."""
     match = re.search(r"KernelTraits(?:Fp8I|IN7cutlass\w+?E)Li(\d+)ELb([01])E", name)
     return (int(match.group(1)), match.group(2) == "1") if match else None
 
@@ -161,10 +161,11 @@ def main():
     failed = False
     print(f"{'kernel':<60} " + " ".join(f"{r:>10}" for r in REQUIRED + FORBIDDEN + INFO) + "   EX2|GEMM"
           + "  (fp8: LDSM.T STSM)")
-    kinds = (("fwd", REQUIRED, "flash_fwd_kernel"), ("bwd", REQUIRED_BWD, "flash_bwd_kernel"),
-             ("fp8", REQUIRED_FP8, "flash_fwd_fp8_kernel"))
-    for kind, required_all, marker in kinds:
-        kernels = [(name, body) for name, body in functions if marker in name]
+    kinds = (("fwd", REQUIRED, lambda n: "flash_fwd_kernel" in n and "KernelTraitsFp8" not in n),
+             ("bwd", REQUIRED_BWD, lambda n: "flash_bwd_kernel" in n),
+             ("fp8", REQUIRED_FP8, lambda n: "flash_fwd_kernel" in n and "KernelTraitsFp8" in n))
+    for kind, required_all, belongs in kinds:
+        kernels = [(name, body) for name, body in functions if belongs(name)]
         kind_failed = False
         for name, body in kernels:
             counts = {r: len(re.findall(rf"\b{re.escape(r)}", body)) for r in REQUIRED + REQUIRED_FP8 + FORBIDDEN + INFO}
@@ -186,7 +187,7 @@ def main():
             ok = all(counts[r] > 0 for r in required) and local <= allowed
             kind_failed |= not ok
             if kind == "fp8":
-                short = "fp8:" + re.sub(r"^_ZN6flash320flash_fwd_fp8_kernelINS_17FlashFwdKernelFp8INS_15KernelTraitsFp8I",
+                short = "fp8:" + re.sub(r"^_ZN6flash316flash_fwd_kernelINS_14FlashFwdKernelINS_15KernelTraitsFp8I",
                                         "", name)[:54]
             else:
                 short = kind + ":" + re.sub(r"^_ZN6flash316flash_\w+?_kernelINS_\d+Flash\w+?KernelINS_\d+\w*?KernelTraitsIN7cutlass",

@@ -1,6 +1,6 @@
 // Prints the resolved compile-time configuration of every kernel flash3 builds: one line
 // per kernel with the constexprs of its traits (traits.h, traits_fp8.h, traits_bwd.h)
-// and kernel (kernel_fwd.h, kernel_fwd_fp8.h, kernel_bwd.h). Host code only: it launches
+// and kernel (kernel_fwd.h, kernel_bwd.h). Host code only: it launches
 // nothing and needs no GPU. docs/kernels.md is this output as tables; to check it:
 //   CUTLASS=$(python -c 'import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))')/source/include
 //   nvcc -gencode arch=compute_90a,code=sm_90a -std=c++17 --expt-relaxed-constexpr \
@@ -12,7 +12,7 @@
 #include <cstdio>
 #include "flash3/mask.h"
 #include "flash3/kernel_fwd.h"
-#include "flash3/kernel_fwd_fp8.h"
+#include "flash3/traits_fp8.h"
 #include "flash3/kernel_bwd.h"
 
 using namespace flash3;
@@ -35,15 +35,16 @@ void fwd(char const* name) {
 template <int D, class M, int N, bool P, int W>
 void fp8() {
   using T = KernelTraitsFp8<D, M::kIsCausal, N, P, W>;
-  using K = FlashFwdKernelFp8<T, M>;
+  using K = FlashFwdKernel<T, M>;
   std::printf("fp8 hdim=%d causal=%d n=%d persistent_override=%d w=%d WG=%d M=%d N=%d stages=%d persistent=%d pingpong=%d "
               "split=%d softmaxUnderPv=%d lazy=%d lanescales=%d introwmax=%d pingpongtid=%d onescale=%d "
-              "regs=%d/%d tmastoreO=%d OinKV=%d tail=%d smem=%d threads=%d\n",
+              "regs=%d/%d tmastoreO=%d OinKV=%d smemOsep=%d tail=%d smem=%d threads=%d\n",
               D, int(M::kIsCausal), N, int(P), W, T::kConsumerWarpgroups, T::kBlockM, T::kBlockN, T::kStages,
               int(T::kPersistent), int(T::kPingpong), int(T::kSplitChains), int(T::kSoftmaxUnderPv),
               int(T::kLazyRescale), int(T::kLaneScales), int(T::kIntRowMax), int(T::kPingpongIdsFromThreadIdx),
-              int(T::kOneScaleOffset), T::kProducerRegisters, T::kConsumerRegisters, int(T::kTmaStoreO),
-              int(T::kOInKVStages), int(K::kTailBalanced), int(K::kSharedStorageSize), int(K::kThreads));
+              int(T::kOneScaleOffset), int(K::Registers::kProducer), int(K::Registers::kConsumer), int(T::kTmaStoreO),
+              int(T::kOInKVStages), int(T::kSmemOSeparate), int(K::kTailBalanced), int(K::kSharedStorageSize),
+              int(K::kThreads));
 }
 
 template <class E, int D, class M, int DV = D>

@@ -13,9 +13,9 @@ enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2, Consumer2
 // FirstUserBarrier to the id they are given, so ours count from 0. One entry per event.
 enum class NamedBarrier : int {
   // Pingpong: consumer warpgroup i may issue its next GEMMs (the others are in softmax).
-  WarpSchedulerWG0 = 0,
-  WarpSchedulerWG1 = 1,
-  WarpSchedulerWG2 = 2,
+  PingpongTurnWG0 = 0,
+  PingpongTurnWG1 = 1,
+  PingpongTurnWG2 = 2,
   // Backward, hdim 192/256 (lockstep): both halves of P (of dS) of a query tile are in
   // shared memory. (The split-keys kernels use mbarriers for dS, and the turns above.)
   PFull = 3,
@@ -50,8 +50,8 @@ CUTLASS_DEVICE NamedBarrier dq_empty_barrier(int warpgroup) {
   return warpgroup == 0 ? NamedBarrier::DqEmptyWG0 : NamedBarrier::DqEmptyWG1;
 }
 
-CUTLASS_DEVICE NamedBarrier warp_scheduler_barrier(int warpgroup) {
-  return static_cast<NamedBarrier>(static_cast<int>(NamedBarrier::WarpSchedulerWG0) + warpgroup);
+CUTLASS_DEVICE NamedBarrier pingpong_turn_barrier(int warpgroup) {
+  return static_cast<NamedBarrier>(static_cast<int>(NamedBarrier::PingpongTurnWG0) + warpgroup);
 }
 
 CUTLASS_DEVICE void named_barrier_sync(int num_threads, NamedBarrier id) {
@@ -61,8 +61,8 @@ CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
   cutlass::arch::NamedBarrier::arrive(num_threads, static_cast<int>(id));
 }
 
-// Pingpong between consumer warpgroups (FP8 forward and backward; the 16-bit forward has
-// its own counter-based WarpScheduler): a warpgroup waits for its turn before issuing its
+// Pingpong between consumer warpgroups (the forward, 16-bit and FP8, and the backward):
+// a warpgroup waits for its turn before issuing its
 // GEMMs and passes the turn on right after, so one warpgroup's GEMMs overlap the other's
 // softmax. Every warpgroup issues the same number of times per tile; the last
 // warpgroup's final hand-over is skipped (its first turn came from start()), which
@@ -81,14 +81,14 @@ struct PingpongTurns {
   // Hardware ids of warpgroup 0's and 1's turns (CUTLASS's NamedBarrier adds the offset).
   static constexpr int kHardwareId0 =
       static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) +
-      static_cast<int>(NamedBarrier::WarpSchedulerWG0);
-  static_assert(static_cast<int>(NamedBarrier::WarpSchedulerWG1) == static_cast<int>(NamedBarrier::WarpSchedulerWG0) + 1);
+      static_cast<int>(NamedBarrier::PingpongTurnWG0);
+  static_assert(static_cast<int>(NamedBarrier::PingpongTurnWG1) == static_cast<int>(NamedBarrier::PingpongTurnWG0) + 1);
   int warpgroup;
 
   // Only for a tile with at least one key tile.
   CUTLASS_DEVICE void start() const {
     if constexpr (kEnabled) {
-      if (warpgroup == kWarpgroups - 1) { named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0)); }
+      if (warpgroup == kWarpgroups - 1) { named_barrier_arrive(kBarrierThreads, pingpong_turn_barrier(0)); }
     }
   }
   CUTLASS_DEVICE void wait_turn() const {
@@ -100,7 +100,7 @@ struct PingpongTurns {
           : "n"(kBarrierThreads), "n"(kHardwareId0 + 1), "n"(kHardwareId0)
           : "memory");
     } else if constexpr (kEnabled) {
-      named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup));  // LOCK
+      named_barrier_sync(kBarrierThreads, pingpong_turn_barrier(warpgroup));  // LOCK
     }
   }
   template <bool kFinalIssue>
@@ -116,7 +116,7 @@ struct PingpongTurns {
               : "n"(kBarrierThreads), "n"(kHardwareId0 + 1), "n"(kHardwareId0)
               : "memory");
         } else {
-          named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
+          named_barrier_arrive(kBarrierThreads, pingpong_turn_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
         }
       }
     }

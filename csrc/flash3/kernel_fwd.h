@@ -1,7 +1,8 @@
-// FlashFwdKernel: the warp-specialised forward kernel. One producer warpgroup streams
-// Q, K and V tiles into shared memory with TMA; two consumer warpgroups, each owning 64
-// rows of the query tile, compute S = Q K^T and O += P V with WGMMA and the online
-// softmax in registers.
+// FlashFwdKernel: the warp-specialised forward kernel, for 16-bit (traits.h) and e4m3
+// (traits_fp8.h) inputs. One producer warpgroup streams Q, K and V tiles into shared
+// memory with TMA (and, for e4m3, transposes V); two or three consumer warpgroups, each
+// owning 64 rows of the query tile, compute S = Q K^T and O += P V with WGMMA and the
+// online softmax in registers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,7 +19,6 @@
 #include "scheduler.h"
 #include "scheduler_packed.h"
 #include "scheduler_tail.h"
-#include "traits.h"
 
 namespace flash3 {
 
@@ -33,8 +33,10 @@ struct FlashFwdKernel {
   using Mask = Mask_;
   static constexpr bool kVarlen = kVarlen_;
   using Mainloop = MainloopFwd<Traits, Mask, kVarlen>;
-  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<Traits, kVarlen>, EpilogueFwd<Traits>>;
-  using Element = typename Traits::Element;
+  // O in the output element type (bf16 for e4m3 inputs): the traits' OutputTraits.
+  using ElementOut = typename Traits::ElementOut;
+  using Epilogue = std::conditional_t<Traits::kTmaStoreO, EpilogueFwdTma<typename Traits::OutputTraits, kVarlen>,
+                                      EpilogueFwd<Traits, ElementOut>>;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
   // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
@@ -51,20 +53,18 @@ struct FlashFwdKernel {
                                                           /*kLongestFirst=*/kVariableKeys<Mask>>>;
   using Scheduler = std::conditional_t<kVarlen, PackedTileScheduler<DenseScheduler, Traits::kPersistent>,
                                        DenseScheduler>;
-  using PipelineK = typename Traits::PipelineK;
-  using PipelineV = typename Traits::PipelineV;
-  using PipelineState = typename Traits::PipelineState;
+  using Pipelines = typename Mainloop::Pipelines;
+  using PipelineState = typename Mainloop::PipelineState;
   using PipelineStateQ = typename Traits::PipelineStateQ;
   static constexpr int kQStages = Traits::kQStages;
-  using Registers = RegisterBudget<Traits::kConsumerWarpgroups>;
+  using Registers = typename Traits::Registers;
 
   static constexpr int kThreads = Traits::kThreads;
-  // One K or V stage, in elements (the stage is the outermost mode of their layouts).
-  static constexpr int kStageElements = Traits::kBlockN * Traits::kHeadDim;
   static_assert(!Traits::kOInKVStages ||
                 (Traits::kHeadDimV == Traits::kHeadDim &&
-                 kStageElements * Traits::kStages == cute::cosize_v<typename Traits::SmemLayoutK> &&
-                 kStageElements >= 64 * Traits::kHeadDim && (kStageElements * sizeof(Element)) % 1024 == 0),
+                 Mainloop::kStageBytesK >= 64 * Traits::kHeadDimV * int(sizeof(ElementOut)) &&
+                 Mainloop::kStageBytesPV >= 64 * Traits::kHeadDimV * int(sizeof(ElementOut)) &&
+                 Mainloop::kStageBytesK % 1024 == 0 && Mainloop::kStageBytesPV % 1024 == 0),
                 "a K or V stage (of equal head dims) holds one warpgroup's 64 rows of O, 1024-byte aligned");
   // kOInKVStages releases a K or V stage from every consumer thread once its own warp's
   // TMA stores have read it; that frees the stage only after all warps' stores if the
@@ -78,7 +78,8 @@ struct FlashFwdKernel {
     typename Mainloop::SharedStorage mainloop;
     // O's staging buffer, where it is not Q's (traits.h).
     std::conditional_t<Traits::kSmemOSeparate,
-                       cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutO>, 1024>, NoStorage>
+                       cute::array_aligned<ElementOut, cute::cosize_v<typename Traits::OutputTraits::SmemLayoutO>, 1024>,
+                       NoStorage>
         smem_o;
     // Q is loaded once per tile, into buffer (tile count) % kQStages: full when its TMA
     // bytes have landed, empty when all consumer warpgroups have finished their last
@@ -87,8 +88,7 @@ struct FlashFwdKernel {
     // per warp).
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full[kQStages];
     alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty[kQStages];
-    alignas(16) typename PipelineK::SharedStorage pipeline_k;
-    alignas(16) typename PipelineV::SharedStorage pipeline_v;
+    typename Pipelines::SharedStorage pipelines;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
@@ -102,7 +102,7 @@ struct FlashFwdKernel {
   // Kernel parameters live in a 4 KB constant bank (the scheduler's table is most of them).
   static_assert(sizeof(Params) <= 4096, "kernel parameters exceed 4 KB");
 
-  static Params to_params(FwdParams const& p) {
+  static Params to_params(typename Traits::HostParams const& p) {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     typename DenseScheduler::Params dense;
     if constexpr (kTailBalanced) {
@@ -119,7 +119,7 @@ struct FlashFwdKernel {
   }
 
   // Packed batches: the table kernel, before the kernel itself on the same stream.
-  static cudaError_t prepare(FwdParams const& p, cudaStream_t stream) {
+  static cudaError_t prepare(typename Traits::HostParams const& p, cudaStream_t stream) {
     if constexpr (kVarlen) {
       if (!Scheduler::uses_table(p, Traits::kBlockM)) { return cudaSuccess; }
       PackedTileArgs const args{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.split_keys, p.batch, p.nheads,
@@ -142,8 +142,14 @@ struct FlashFwdKernel {
     }
   }
 
-  CUTLASS_DEVICE static Element* smem_o_of(SharedStorage& storage) {
-    if constexpr (Traits::kSmemOSeparate) { return storage.smem_o.data(); } else { return nullptr; }
+  // Where O is staged for the TMA store: its own buffer, or Q's (16-bit inputs only).
+  CUTLASS_DEVICE static ElementOut* o_staging(SharedStorage& storage) {
+    if constexpr (Traits::kSmemOSeparate) {
+      return storage.smem_o.data();
+    } else {
+      static_assert(std::is_same_v<ElementOut, typename Traits::Element>, "O is staged in Q's buffer");
+      return storage.mainloop.smem_q.data();
+    }
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
@@ -170,22 +176,7 @@ struct FlashFwdKernel {
       if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
     }
 
-    // The producer warp's elected thread arrives with the transaction bytes; every
-    // consumer thread releases a stage, and (CUTLASS 4, one-CTA cluster) the pipeline
-    // counts every consumer thread's arrival.
-    typename PipelineK::Params pipeline_params;
-    pipeline_params.transaction_bytes = Traits::kBytesK;
-    pipeline_params.num_consumers = Traits::kConsumerThreads;
-    if (role == WarpGroupRole::Producer) {
-      pipeline_params.role = PipelineK::ThreadCategory::Producer;
-      pipeline_params.is_leader = warp_idx == 0 && lane_predicate;
-    } else {
-      pipeline_params.role = PipelineK::ThreadCategory::Consumer;
-      pipeline_params.is_leader = 0;
-    }
-    PipelineK pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
-    pipeline_params.transaction_bytes = Traits::kBytesV;
-    PipelineV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+    Pipelines pipelines(storage.pipelines, role == WarpGroupRole::Producer, warp_idx == 0 && lane_predicate);
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();
@@ -193,9 +184,11 @@ struct FlashFwdKernel {
     auto const& sched = params.scheduler;
     if (role == WarpGroupRole::Producer) {
       cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
-      if (warp_idx == 0 && lane_predicate) {
-        PipelineState write_k = cutlass::make_producer_start_state<PipelineK>();
-        PipelineState write_v = cutlass::make_producer_start_state<PipelineV>();
+      bool const tma_thread = warp_idx == 0 && lane_predicate;
+      // The elected thread issues the loads; with kTransposeV the whole warpgroup runs the
+      // loop and transposes V.
+      if (Traits::kTransposeV || tma_thread) {
+        typename Mainloop::ProducerState write;
         PipelineStateQ write_q;  // advances with every tile that loads Q
         for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
@@ -206,8 +199,8 @@ struct FlashFwdKernel {
             continue;
           }
           Mainloop::load(params.mainloop, storage.mainloop, storage.barrier_q_full[write_q.index()],
-                         storage.barrier_q_empty[write_q.index()], write_q.phase(), write_q.index(), pipeline_k,
-                         pipeline_v, write_k, write_v, tile.m_block, tile.head, seq);
+                         storage.barrier_q_empty[write_q.index()], write_q.phase(), write_q.index(), pipelines, write,
+                         tile.m_block, tile.head, seq, tma_thread, int(threadIdx.x));
           ++write_q;
         }
       }
@@ -225,8 +218,8 @@ struct FlashFwdKernel {
         bool const has_keys = Mainloop::has_keys(params.mainloop, seq, tile.m_block);
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
-                                 storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipeline_k,
-                                 pipeline_v, read_k, read_v, tOrO, thread_idx, tile.m_block, tile.head, seq);
+                                 storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipelines.k,
+                                 pipelines.pv(), read_k, read_v, tOrO, thread_idx, tile.m_block, tile.head, seq);
         // A packed batch's sequence read afresh rather than kept in registers across the mainloop.
         if constexpr (kVarlen) { seq = seq_at(params, t, tile.batch); }
         if (has_keys) { ++read_q; }
@@ -238,22 +231,25 @@ struct FlashFwdKernel {
             int const last_v = (read_v.index() + Traits::kStages - 1) % Traits::kStages;
             named_barrier_sync(Traits::kConsumerThreads, NamedBarrier::OStaging);
             int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-            Element* staging = warpgroup == 0 ? storage.mainloop.smem_v.data() + last_v * kStageElements
-                                              : storage.mainloop.smem_k.data() + last_k * kStageElements;
+            uint8_t* const stage =
+                warpgroup == 0
+                    ? reinterpret_cast<uint8_t*>(Mainloop::smem_pv(storage.mainloop)) + last_v * Mainloop::kStageBytesPV
+                    : reinterpret_cast<uint8_t*>(storage.mainloop.smem_k.data()) + last_k * Mainloop::kStageBytesK;
+            ElementOut* const staging = reinterpret_cast<ElementOut*>(stage);
             Epilogue::store_warpgroup(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head,
                                       seq);
             Epilogue::wait_staging_read();
             // UNLOCK the K and V stages: O has left them (only their index is read). Each
             // thread arrives after its own warp's stores have read the stage, and the stage
             // frees only when all 256 have arrived (static_assert above).
-            pipeline_k.consumer_release(PipelineState(last_k, 0, 0));
-            pipeline_v.consumer_release(PipelineState(last_v, 0, 0));
+            pipelines.k.consumer_release(PipelineState(last_k, 0, 0));
+            pipelines.pv().consumer_release(PipelineState(last_v, 0, 0));
           } else {
             Epilogue::Direct::store(params.epilogue.direct, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
           }
         } else if constexpr (Traits::kTmaStoreO) {
           if (has_keys) {
-            Element* staging = Traits::kSmemOSeparate ? smem_o_of(storage) : storage.mainloop.smem_q.data();
+            ElementOut* const staging = o_staging(storage);
             if constexpr (Traits::kSmemOSeparate) { Epilogue::wait_staging_read(); }  // LOCK sO (this warp's rows)
             Epilogue::store(params.epilogue, staging, tOrO, lse, thread_idx, tile.m_block, tile.head, seq);
             if constexpr (Traits::kReleaseQAfterEpilogue) {

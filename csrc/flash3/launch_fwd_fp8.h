@@ -1,10 +1,10 @@
-// Host side of the FP8 forward kernel; each instantiation .cu includes this once for one
-// (head dim, mask).
+// Host side of the forward kernel for e4m3 inputs (kernel_fwd.h with traits_fp8.h); each
+// instantiation .cu includes this once for one (head dim, mask, variant).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "kernel_fwd_fp8.h"
+#include "kernel_fwd.h"
 #include "launch_kernel.h"
 #include "params_fp8.h"
 #include "traits_fp8.h"
@@ -16,10 +16,10 @@ namespace flash3 {
 // for TileConfigFp8's number of consumer warpgroups, else another.
 template <int kHeadDim, class Mask, int kBlockN, bool kPersistent = false, int kWarpgroups = 0>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelFp8<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN, kPersistent, kWarpgroups>, Mask>;
+  using Kernel = FlashFwdKernel<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN, kPersistent, kWarpgroups>, Mask>;
   auto kernel_params = Kernel::to_params(params);
-  dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.base.num_sms);
-  return launch_with_smem(&flash_fwd_fp8_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
+  dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
+  return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
                           kernel_params);
 }
 

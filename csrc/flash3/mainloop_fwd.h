@@ -1,5 +1,9 @@
-// The forward mainloop: the producer's TMA loads of Q, K and V into shared memory, and
-// the consumers' WGMMAs and online softmax over the key tiles.
+// The forward mainloop, for 16-bit and e4m3 inputs alike: the producer's TMA loads of Q,
+// K and V into shared memory (and, for e4m3, the producer warpgroup's transpose of V into
+// V^T), and the consumers' WGMMAs and online softmax over the key tiles. What the element
+// type changes comes from the traits (traits.h, traits_fp8.h): kTransposeV and the
+// pipelines (pipelines_fwd.h), the block scales (block_scales.h), the softmax (softmax.h,
+// softmax_fp8.h) and P's operand.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -9,12 +13,13 @@
 
 #include "barriers.h"
 #include "mask.h"
+#include "operand_p.h"
 #include "paged_kv.h"
 #include "params.h"
+#include "pipelines_fwd.h"
 #include "seqlen.h"
 #include "softmax.h"
 #include "tma.h"
-#include "traits.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -26,6 +31,8 @@ using namespace cute;
 template <class Traits, class Mask, bool kVarlen = false>
 struct MainloopFwd {
   using Element = typename Traits::Element;
+  static constexpr bool kTransposeV = Traits::kTransposeV;
+  static_assert(!(kTransposeV && kVarlen), "packed batches: 16-bit inputs only");
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -36,21 +43,37 @@ struct MainloopFwd {
   using SmemLayoutK = typename Traits::SmemLayoutK;
   using SmemLayoutV = typename Traits::SmemLayoutV;
   using SmemLayoutVt = typename Traits::SmemLayoutVt;
-  using PipelineK = typename Traits::PipelineK;
-  using PipelineV = typename Traits::PipelineV;
-  using PipelineState = typename Traits::PipelineState;
+  using Pipelines = FwdPipelines<Traits>;
+  using PipelineK = typename Pipelines::PipelineK;
+  using PipelineV = typename Pipelines::PipelineV;
+  using PipelinePV = typename Pipelines::PipelinePV;  // what the PV GEMM reads: V, or V^T
+  using PipelineState = typename Pipelines::PipelineState;
+  using ProducerState = typename Pipelines::ProducerState;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
+  using Scales = typename Traits::Scales;
+  using OperandP = flash3::OperandP<Element, typename Traits::TileShapePV, kTransposeV>;  // operand_p.h
 
-  using Loads = FwdLoadsTma<Traits>;  // tma.h
+  using Loads = FwdLoadsTma<Traits>;  // tma.h; for e4m3 V is staged with K's layout, then transposed
 
   static constexpr int kQStages = Traits::kQStages;
   static constexpr int kQStageElements = cute::cosize_v<SmemLayoutQ>;
 
-  struct SharedStorage {
+  struct StorageQKV {
     cute::array_aligned<Element, kQStageElements * kQStages, 1024> smem_q;  // kQStages buffers
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
+  struct StorageQKVVt : StorageQKV {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> smem_vt;
+  };
+  using SharedStorage = std::conditional_t<kTransposeV, StorageQKVVt, StorageQKV>;
+  // The PV GEMM's B operand: V as TMA wrote it, or V^T.
+  CUTLASS_DEVICE static Element* smem_pv(SharedStorage& storage) {
+    if constexpr (kTransposeV) { return storage.smem_vt.data(); } else { return storage.smem_v.data(); }
+  }
+  // One stage of K and of the PV operand, in bytes (the stage is the outermost mode).
+  static constexpr int kStageBytesK = cute::cosize_v<SmemLayoutK> / Traits::kStages * sizeof(Element);
+  static constexpr int kStageBytesPV = cute::cosize_v<SmemLayoutVt> / Traits::kStages * sizeof(Element);
 
   // The local-mask kernels' options (params.h); other kernels hold none (an empty base).
   struct NoOptions {
@@ -69,8 +92,8 @@ struct MainloopFwd {
   // Paged K and V have one head dim (the binding checks it).
   using Pages = std::conditional_t<kVarlen && kHeadDimV == kHeadDim, PagedKV<Traits>, NoPagedKV>;
 
-  // tma_q, tma_k, tma_v, shape_q, shape_k, shape_v from Loads.
-  struct Params : Loads, Options, Pages {
+  // tma_q, tma_k, tma_v, shape_q, shape_k, shape_v from Loads; e4m3: the block scales.
+  struct Params : Loads, Options, Pages, Scales {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
     int rows_per_query;  // packed batches: query rows per query position (params.h)
@@ -80,9 +103,16 @@ struct MainloopFwd {
     float softmax_scale_log2;
   };
 
-  static Params to_params(FwdParams const& p) {
-    return {Loads::make(p), Options::make(p), Pages::make(p), p.seq_layout(), p.nheads / p.nheads_k, p.rows_per_query,
-            p.logit_scale(), p.logit_scale_log2()};
+  static Params to_params(typename Traits::HostParams const& p) {
+    return {Loads::make(p),
+            Options::make(p),
+            Pages::make(p),
+            Scales::make(p),
+            p.seq_layout(),
+            p.nheads / p.nheads_k,
+            p.rows_per_query,
+            p.logit_scale(),
+            p.logit_scale_log2()};
   }
 
   CUTLASS_DEVICE static Policy policy_of(Params const& params, Seq const& seq) {
@@ -120,12 +150,28 @@ struct MainloopFwd {
   // separate pipelines so that S = Q K^T can start before V has landed. The first K goes
   // out before Q: it only needs a free stage, while Q must wait until the consumers are
   // done with the previous tile's Q.
+  // 16-bit inputs: tma_thread only (the producer warp's elected thread). e4m3: every
+  // producer thread (load_transposing).
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
-                                  PipelineK& pipeline_k, PipelineV& pipeline_v,
-                                  PipelineState& write_k, PipelineState& write_v,
-                                  int m_block, int head, Seq const& seq) {
+                                  Pipelines& pipelines, ProducerState& state, int m_block, int head, Seq const& seq,
+                                  bool tma_thread, int thread_idx) {
+    if constexpr (kTransposeV) {
+      load_transposing(params, storage, barrier_q_full, barrier_q_empty, q_phase, pipelines, state.transpose, m_block,
+                       head, seq, tma_thread, thread_idx);
+    } else {
+      load_direct(params, storage, barrier_q_full, barrier_q_empty, q_phase, q_stage, pipelines.k, pipelines.v,
+                  state.k, state.v, m_block, head, seq);
+    }
+  }
+
+  CUTLASS_DEVICE static void load_direct(Params const& params, SharedStorage& storage,
+                                         cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                         cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
+                                         PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                         PipelineState& write_k, PipelineState& write_v,
+                                         int m_block, int head, Seq const& seq) {
     Policy const policy = policy_of(params, seq);
     int const n_begin = policy.n_block_begin(m_block);
     int const n_end = policy.n_block_end(m_block);
@@ -193,41 +239,86 @@ struct MainloopFwd {
     }
   }
 
-  // Pingpong between the consumer warpgroups: a warpgroup waits for its turn before
-  // issuing WGMMAs and hands the turn to the next one (in a ring) right after issuing
-  // them, so that while one warpgroup's GEMMs occupy the tensor cores the others run
-  // their softmax. Each barrier counts the waiting warpgroup and the one handing over.
-  // Where Traits::kPingpong is off the warpgroups issue freely and the hardware's warp
-  // scheduler interleaves them (measured faster for some tiles, see traits.h).
-  struct WarpScheduler {
-    static constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
-    static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-    int warpgroup;  // index among the consumers
-    int slots;      // how many times this warpgroup issues GEMMs for the tile
-    int issued = 0;
+  // e4m3: the producer warpgroup, all 128 threads (thread_idx 0..127); tma_thread is the
+  // one that issues TMA. Key tiles go from the last one down, as in load_direct. V(n) is
+  // transposed into V^T while the TMA of K(n-1) and V(n-1) is in flight.
+  CUTLASS_DEVICE static void load_transposing(Params const& params, SharedStorage& storage,
+                                              cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                              cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase,
+                                              Pipelines& pipelines, PipelineState& transpose, int m_block, int head,
+                                              Seq const& seq, bool tma_thread, int thread_idx) {
+    Policy const policy = policy_of(params, seq);
+    int const n_begin = policy.n_block_begin(m_block);
+    int const n_end = policy.n_block_end(m_block);
+    if (n_end <= n_begin) { return; }
+    int const head_kv = head / params.head_group;
 
-    // Warpgroup 0 goes first: the last warpgroup hands it the first turn.
-    CUTLASS_DEVICE void start() const {
-      if (!Traits::kPingpong) { return; }
-      if (warpgroup == kWarpgroups - 1 && slots > 0) {
-        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier(0));
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, 0)), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, seq.batch);     // (seqlen_q, d)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch);  // (seqlen_k, d)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch);  // (seqlen_k, d)
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));        // (N, d, n)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    // transpose: the V stage the transposer reads next and the V^T stage it writes. K and V
+    // stages are written one key tile ahead of it (K and V advance together): with the
+    // same stage count, the write state is the transpose state, advanced once, and at a
+    // tile's start (all stages transposed) the two are equal. One state instead of two
+    // (registers: the producer runs on 24 at hdim 256, where a second one spilled).
+    static_assert(PipelineK::Stages == PipelinePV::Stages && PipelineV::Stages == PipelinePV::Stages,
+                  "the K/V write state is derived from the transpose state");
+    PipelineState const& write_first = transpose;
+    if (tma_thread) {
+      pipelines.k.producer_acquire(write_first);
+      copy(params.tma_k.with(*pipelines.k.producer_get_barrier(write_first)), tKgK(_, n_end - 1),
+           tKsK(_, write_first.index()));
+      barrier_q_empty.wait(q_phase ^ 1);  // LOCK sQ
+      barrier_q_full.arrive_and_expect_tx(Traits::kBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(barrier_q_full)),
+           tQgQ, tQsQ);
+      pipelines.v.producer_acquire(write_first);
+      copy(params.tma_v.with(*pipelines.v.producer_get_barrier(write_first)), tVgV(_, n_end - 1),
+           tVsV(_, write_first.index()));
+    }
+
+    uint8_t* smem_vt = reinterpret_cast<uint8_t*>(storage.smem_vt.data());
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+      if (n_block > n_begin) {
+        if (tma_thread) {
+          PipelineState write_kv = transpose;
+          ++write_kv;
+          pipelines.k.producer_acquire(write_kv);
+          copy(params.tma_k.with(*pipelines.k.producer_get_barrier(write_kv)), tKgK(_, n_block - 1),
+               tKsK(_, write_kv.index()));
+          pipelines.v.producer_acquire(write_kv);
+          copy(params.tma_v.with(*pipelines.v.producer_get_barrier(write_kv)), tVgV(_, n_block - 1),
+               tVsV(_, write_kv.index()));
+        }
       }
+      __syncwarp();  // ldmatrix / stmatrix are warp-collective
+      // transpose is a producer state of V^T (its phase starts at 1); as a consumer state
+      // of V the same stage has the other phase.
+      PipelineState const read_v(transpose.index(), transpose.phase() ^ 1, transpose.count());
+      pipelines.v.consumer_wait(read_v);         // LOCK V stage (TMA landed)
+      pipelines.vt.producer_acquire(transpose);  // LOCK V^T stage (consumers done with it)
+      // The lane's addresses are written at their use (a few instructions); where registers
+      // allow, the compiler hoists them out of the loop.
+      Traits::Transpose::run(Traits::Transpose::addresses(reinterpret_cast<uint8_t*>(storage.smem_v.data()), thread_idx),
+                             smem_vt, transpose.index(), transpose.index());
+      // The WGMMAs read V^T through the async proxy: make the generic-proxy stores visible.
+      cutlass::arch::fence_view_async_shared();
+      pipelines.vt.producer_commit(transpose);  // UNLOCK V^T stage for the consumers
+      pipelines.v.consumer_release(transpose);  // UNLOCK V stage for the next TMA
+      ++transpose;
     }
-    CUTLASS_DEVICE void wait_turn() const {
-      if (!Traits::kPingpong) { return; }
-      named_barrier_sync(kBarrierThreads, warp_scheduler_barrier(warpgroup));  // LOCK: the tensor cores are ours
-    }
-    // Every warpgroup issues the same number of times per tile; the last warpgroup's
-    // final hand-over would have no matching wait (its first one was start()), so it is
-    // skipped and the barriers are balanced at every tile boundary.
-    CUTLASS_DEVICE void pass_turn() {
-      if (!Traits::kPingpong) { return; }
-      ++issued;
-      if (!(warpgroup == kWarpgroups - 1 && issued == slots)) {
-        named_barrier_arrive(kBarrierThreads, warp_scheduler_barrier((warpgroup + 1) % kWarpgroups));  // UNLOCK
-      }
-    }
-  };
+  }
 
   // Packed batches with seqused_k (a KV cache): the key slots past a sequence's length
   // may hold anything, NaN included. Their scores are masked to -inf, but a zero weight
@@ -250,12 +341,16 @@ struct MainloopFwd {
   // Consumers: returns the output accumulator of this thread (normalised) and the
   // logsumexp of its rows. Iteration j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j)
   // together, then runs the softmax of S(j+1) while O's GEMM is still in flight
-  // (the intra-warpgroup overlap of the paper).
+  // (the intra-warpgroup overlap of the paper). Pingpong (Traits::kPingpong): the
+  // consumer warpgroups take turns to issue their GEMMs (barriers.h PingpongTurns), so
+  // that while one warpgroup's GEMMs occupy the tensor cores the others run their
+  // softmax; without it they issue freely and the hardware's warp scheduler interleaves
+  // them (measured faster for some tiles, see the traits).
   template <class TensorO>
   CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
-                                 PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                 PipelineK& pipeline_k, PipelinePV& pipeline_v,
                                  PipelineState& read_k, PipelineState& read_v,
                                  TensorO& tOrO, int thread_idx, int m_block, int head, Seq const& seq) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
@@ -267,7 +362,7 @@ struct MainloopFwd {
 
     Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, q_stage)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem_pv(storage)), SmemLayoutVt{});
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, PIPE)
     Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
@@ -281,12 +376,8 @@ struct MainloopFwd {
     int const n_begin = policy.n_block_begin(m_block);
     int const n_end = policy.n_block_end(m_block);
     constexpr int kRows = decltype(size<0>(tScS_rowcol))::value;
-    OnlineSoftmax<kRows, Traits::kLazyRescale, Traits::kIntRowMax> softmax(params.softmax_scale_log2);
+    typename Traits::template Softmax<kRows> softmax(params.softmax_scale_log2);
     Tensor tOrO_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
-
-    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    WarpScheduler scheduler{warpgroup, n_end > n_begin ? n_end - n_begin + 1 : 0};
-    scheduler.start();
 
     // Normalises O and returns the rows' logsumexp; attention sinks join the sum there.
     auto finalize = [&] {
@@ -298,10 +389,20 @@ struct MainloopFwd {
       return softmax.finalize(tOrO_rowcol, params.softmax_scale);
     };
 
-    if (n_end <= n_begin) {
+    // No key: written with 0 for the masks whose key tiles start at 0, which ptxas lays out
+    // better in the FP8 hdim 256 causal kernel (10 local-memory instructions, against 18
+    // with n_begin; CUDA 13.0).
+    if (n_end <= (Mask::kIsLocal ? n_begin : 0)) {
       clear(tOrO);
       return finalize();
     }
+    int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    PingpongTurns<Traits::kConsumerWarpgroups, Traits::kPingpong, Traits::kPingpongIdsFromThreadIdx> const turns{
+        warpgroup};
+    turns.start();
+    // e4m3: this warpgroup's rows' Q scale and the key tiles' K/V scales (block_scales.h).
+    auto const scales = params.Scales::rows(params.softmax_scale_log2, seq.batch, head, head / params.head_group,
+                                            m_block, warpgroup, thread_idx);
     if constexpr (kVarlen) {
       // Before any accumulator is live: later (after the first tile's softmax, or in the
       // loop) the hdim 64 and 256 kernels spilled. The first S = Q K^T then waits for V too.
@@ -321,16 +422,17 @@ struct MainloopFwd {
       return tSrS_rowcol;
     };
 
+    int n_block = n_end - 1;
+    auto tile_scales = scales.tile(n_block);
     barrier_q_full.wait(q_phase);
     uint32_t const zero = opaque_zero(seq.seqlen_q);  // utils.h run_in_own_block
 
     // First key tile: S only.
-    int n_block = n_end - 1;
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
     pipeline_k.consumer_wait(read_k);
-    scheduler.wait_turn();
+    turns.wait_turn();
     warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-    scheduler.pass_turn();
+    turns.template pass_turn</*kFinalIssue=*/false>();
     warpgroup_wait<0>();
     // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
     if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
@@ -340,23 +442,23 @@ struct MainloopFwd {
     {
       Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
       bool const masked = policy.needs_mask(m_block, n_block);
-      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, masked);
+      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, tile_scales, masked);
     }
-    // P(j) in the element type, read by the PV WGMMA as its register A operand.
-    Tensor rP = make_tensor<Element>(tSrS.layout());
-    Tensor tOrP = make_tensor(rP.data(), accumulator_as_operand_a(rP.layout()));
-    convert_into(tSrS, rP);
+    Tensor rP = OperandP::make(tiled_mma_pv, tSrS);
+    Tensor tOrP = OperandP::as_operand_a(rP);
+    OperandP::convert(tSrS, rP);
     clear(tOrO);
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (--n_block; n_block >= n_begin; --n_block) {
+      tile_scales = scales.tile(n_block);
       Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
       pipeline_k.consumer_wait(read_k);
       pipeline_v.consumer_wait(read_v);
-      scheduler.wait_turn();
+      turns.wait_turn();
       warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
       warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      scheduler.pass_turn();
+      turns.template pass_turn</*kFinalIssue=*/false>();
       warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
       // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
       if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
@@ -369,37 +471,39 @@ struct MainloopFwd {
       if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
         // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
         // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
-        run_in_own_block(zero, [&] { correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, masked); });
+        run_in_own_block(zero, [&] {
+          correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, masked);
+        });
       } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
         // O's rescale then fills the issue slots that the second half's exponentials leave
         // free (they wait on the MUFU pipe).
         run_in_own_block(zero, [&] {
-          softmax.template update_row_maxes</*kFirstTile=*/false>(tSrS_rowcol, correction, masked);
+          softmax.template update_row_maxes</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, correction, masked);
           CUTE_UNROLL
-          for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
+          for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
         });
       } else {
-        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, masked);
+        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, masked);
       }
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
-      pipeline_v.consumer_release(read_v);  // UNLOCK V stage
+      pipeline_v.consumer_release(read_v);  // UNLOCK V (V^T) stage
       ++read_v;
       softmax.rescale_if_needed(tOrO_rowcol, correction);
       if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         CUTE_UNROLL
-        for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
+        for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
       }
-      convert_into(tSrS_next, rP);
+      OperandP::convert(tSrS_next, rP);
     }
 
     // Last key tile: O += P V only.
     pipeline_v.consumer_wait(read_v);
-    scheduler.wait_turn();
+    turns.wait_turn();
     warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    scheduler.pass_turn();
+    turns.template pass_turn</*kFinalIssue=*/true>();
     warpgroup_wait<0>();
-    // UNLOCK V stage (where O is staged over it: after O's store, by the kernel)
+    // UNLOCK V (V^T) stage (where O is staged over it: after O's store, by the kernel)
     if constexpr (!Traits::kOInKVStages) { pipeline_v.consumer_release(read_v); }
     ++read_v;
 

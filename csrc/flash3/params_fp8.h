@@ -30,9 +30,8 @@ struct BlockScales {
   }
 };
 
-// q, k, v pointers of FwdParams point to e4m3, o to bf16.
-struct FwdFp8Params {
-  FwdParams base;
+// FwdParams with q, k, v pointing to e4m3 and o to bf16, and the block scales.
+struct FwdFp8Params : FwdParams {
   BlockScales q_scale;  // (batch, nheads, ceil(seqlen_q / 64))
   BlockScales k_scale;  // (batch, nheads_k, ceil(seqlen_k / 128))
   BlockScales v_scale;  // (batch, nheads_k, ceil(seqlen_k / 128)), with k_scale's strides

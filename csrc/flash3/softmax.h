@@ -15,12 +15,106 @@ namespace flash3 {
 
 using namespace cute;
 
-// kLazyRescale: a row's max in use stays until a tile raises it by more than
-// kRescaleThreshold (log2 domain), and O's rescale is skipped where no row of the warp
-// changed its max (any_rescale; traits.h says where).
-// kIntRowMax: the row max from the scores' bits (update_row_maxes; traits.h says where).
+// The steps every online softmax of the forward takes per key tile, over the parts its
+// element type defines (Derived: OnlineSoftmax below, OnlineSoftmaxFp8 in softmax_fp8.h):
+// thread_tile_max<kTree>(S, mi, scales), thread_tile_max_int(S, mi, scales, exact),
+// merge_row_max<kFirstTile>(thread_max, mi) and exponentiate_row(S, mi, scales, correction).
+// scales: what a key tile's scores need besides the kernel's constants (NoTileScales for
+// 16-bit inputs, the FP8 block scales' KeyGroupScales).
+// kLazyRescale: a row's max in use stays until a tile raises it by more than the
+// Derived's kRescaleThreshold, and O's rescale is skipped where no row of the warp changed
+// its max (any_rescale; the traits say where).
+// kIntRowMax: the row max from the scores' bits (update_row_maxes; the traits say where).
+template <class Derived, int kRows, bool kLazyRescale, bool kIntRowMax>
+struct OnlineSoftmaxSteps {
+  CUTLASS_DEVICE Derived& self() { return static_cast<Derived&>(*this); }
+
+  // Every row's running max updated with tile S; correction(mi) gets the factor by which
+  // row mi of the output accumulator must be rescaled.
+  // kIntRowMax: the thread's parts come from the integer max of the scores' bits (utils.h
+  // row_max_bits), exact wherever a part holds a score >= +0; a warp with any other part
+  // (all its scores negative: rare for real scores) takes the float max for all its rows,
+  // and so do tiles under the mask (masked: warp-uniform), where a thread's part is often
+  // all -inf. Both give the same bits.
+  template <bool kFirstTile, class TensorS, class TileScales, class TensorCorrection>
+  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, TileScales const& scales,
+                                       TensorCorrection& correction, bool masked) {
+    float thread_max[kRows];
+    if constexpr (kIntRowMax) {
+      bool exact = false;
+      if (!masked) {
+        exact = true;
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = self().thread_tile_max_int(tSrS_rowcol, mi, scales, exact); }
+        exact = __all_sync(0xffffffffu, exact);
+      }
+      if (!exact) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = self().template thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scales);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        thread_max[mi] = self().template thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scales);
+      }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = self().template merge_row_max<kFirstTile>(thread_max[mi], mi); }
+  }
+
+  // Updates the running max with tile S (raw scores), turns S into P in place, adds P's
+  // row sums, and returns the factor by which each row of the output accumulator must be
+  // rescaled.
+  template <bool kFirstTile, class TensorS, class TileScales>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, TileScales const& scales, bool masked) {
+    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
+    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+    if constexpr (kIntRowMax) {
+      update_row_maxes<kFirstTile>(tSrS_rowcol, scales, correction, masked);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { self().exponentiate_row(tSrS_rowcol, mi, scales, correction(mi)); }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        correction(mi) = self().template merge_row_max<kFirstTile>(
+            self().template thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scales), mi);
+        self().exponentiate_row(tSrS_rowcol, mi, scales, correction(mi));
+      }
+    }
+    return correction;
+  }
+
+  // Whether any row of this warp's part of O has a factor other than 1 (a warp-uniform
+  // branch around the rescale); always where the rescale is not lazy.
+  template <class TensorCorrection>
+  CUTLASS_DEVICE static bool any_rescale(TensorCorrection const& correction) {
+    if constexpr (!kLazyRescale) { return true; }
+    bool any = false;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
+    return __any_sync(0xffffffffu, any);
+  }
+
+  // O *= the factors, skipped (kLazyRescale) where every factor of the warp's rows is 1: a
+  // warp-uniform branch, and a multiplication by exactly 1 changes nothing.
+  template <class TensorO, class TensorCorrection>
+  CUTLASS_DEVICE static void rescale_if_needed(TensorO& tOrO_rowcol, TensorCorrection const& correction) {
+    if (!any_rescale(correction)) { return; }
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= correction(mi); }
+    }
+  }
+};
+
+// 16-bit inputs: the scores of every key tile take the kernel's one logit scale.
+struct NoTileScales {};
+
 template <int kRows, bool kLazyRescale = false, bool kIntRowMax = false>
-struct OnlineSoftmax {
+struct OnlineSoftmax : OnlineSoftmaxSteps<OnlineSoftmax<kRows, kLazyRescale, kIntRowMax>, kRows, kLazyRescale, kIntRowMax> {
   // Per row: the running max of the raw scores (-inf until a visible key is seen) and
   // this thread's partial sum of exp2 (the quad reduces the sums once, at the end).
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;
@@ -46,7 +140,7 @@ struct OnlineSoftmax {
   // that starts from the running max (the kernels without kIntRowMax), or as a pairwise
   // tree (the fallback of update_row_maxes; merge_row_max adds the running max).
   template <bool kTree, class TensorS>
-  CUTLASS_DEVICE float thread_tile_max(TensorS const& tSrS_rowcol, int mi) const {
+  CUTLASS_DEVICE float thread_tile_max(TensorS const& tSrS_rowcol, int mi, NoTileScales) const {
     constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
     if constexpr (kTree) {
       return row_max_float<kCols>(tSrS_rowcol, mi, 0);
@@ -73,44 +167,19 @@ struct OnlineSoftmax {
     return kFirstTile || keep ? 1.f : exp2f(prev_scaled - scaled_max(mi));
   }
 
-  // Every row's running max updated with tile S (raw scores); correction(mi) gets the
-  // factor by which row mi of the output accumulator must be rescaled.
-  // kIntRowMax: the thread's parts come from the integer max of the scores' bits (utils.h
-  // row_max_bits), exact wherever a part holds a score >= +0; a warp with any other part
-  // (all its scores negative: rare for real scores) takes the float max for all its rows,
-  // and so do tiles under the mask (masked: warp-uniform), where a thread's part is often
-  // all -inf. Both give the same bits.
-  template <bool kFirstTile, class TensorS, class TensorCorrection>
-  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, TensorCorrection& correction, bool masked) {
-    float thread_max[kRows];
-    if constexpr (kIntRowMax) {
-      constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
-      bool exact = false;
-      if (!masked) {
-        exact = true;
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          int const bits = row_max_bits<kCols>(tSrS_rowcol, mi, 0);
-          exact &= bits >= 0;
-          thread_max[mi] = __int_as_float(bits);
-        }
-        exact = __all_sync(0xffffffffu, exact);
-      }
-      if (!exact) {
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi); }
-      }
-    } else {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi); }
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = merge_row_max<kFirstTile>(thread_max[mi], mi); }
+  // The same from the integer max of the scores' bits (utils.h row_max_bits); exact is
+  // cleared where the part holds no score >= +0 (its result is then not its max).
+  template <class TensorS>
+  CUTLASS_DEVICE static float thread_tile_max_int(TensorS const& tSrS_rowcol, int mi, NoTileScales, bool& exact) {
+    constexpr int kCols = decltype(size<1>(tSrS_rowcol))::value;
+    int const bits = row_max_bits<kCols>(tSrS_rowcol, mi, 0);
+    exact &= bits >= 0;
+    return __int_as_float(bits);
   }
 
   // Row mi of S turned into P = exp2(S * scale_log2 - max) in place, and its sum added.
   template <class TensorS>
-  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, float correction) {
+  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, NoTileScales, float correction) {
     float const max_scaled = scaled_max(mi);
     float sum = 0.f;
     CUTE_UNROLL
@@ -120,51 +189,6 @@ struct OnlineSoftmax {
       sum += p;
     }
     row_sum(mi) = row_sum(mi) * correction + sum;
-  }
-
-  // Updates the running max with tile S (rows x cols, raw scores), turns S into P in
-  // place, adds P's row sums, and returns the factor by which each row of the output
-  // accumulator must be rescaled.
-  template <bool kFirstTile, class TensorS>
-  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, bool masked) {
-    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
-    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-    if constexpr (kIntRowMax) {
-      update_row_maxes<kFirstTile>(tSrS_rowcol, correction, masked);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { exponentiate_row(tSrS_rowcol, mi, correction(mi)); }
-    } else {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        correction(mi) = merge_row_max<kFirstTile>(thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi), mi);
-        exponentiate_row(tSrS_rowcol, mi, correction(mi));
-      }
-    }
-    return correction;
-  }
-
-  // O *= the factors, skipped (kLazyRescale) where every factor of the warp's rows is 1: a
-  // warp-uniform branch, and a multiplication by exactly 1 changes nothing.
-  template <class TensorO, class TensorCorrection>
-  CUTLASS_DEVICE static void rescale_if_needed(TensorO& tOrO_rowcol, TensorCorrection const& correction) {
-    if constexpr (kLazyRescale) {
-      bool any = false;
-      CUTE_UNROLL
-      for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
-      if (!__any_sync(0xffffffffu, any)) { return; }
-    }
-    rescale(tOrO_rowcol, correction);
-  }
-
-  template <class TensorO, class TensorCorrection>
-  CUTLASS_DEVICE static void rescale(TensorO& tOrO_rowcol, TensorCorrection const& correction) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(tOrO_rowcol); ++mi) {
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) {
-        tOrO_rowcol(mi, ni) *= correction(mi);
-      }
-    }
   }
 
   // Divides O by the row sums and returns the natural-log logsumexp per row

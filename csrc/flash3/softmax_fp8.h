@@ -6,6 +6,7 @@
 #include <cutlass/cutlass.h>
 
 #include "params_fp8.h"
+#include "softmax.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -34,8 +35,19 @@ using namespace cute;
 // of one chain of kBlockN / 4 dependent FMNMX / FADD per row (traits_fp8.h says where;
 // with kIntRowMax the max is a tree instead).
 // kLazyRescale: as in softmax.h, with kRescaleThreshold below. kIntRowMax: as in softmax.h.
+// A key tile's scales, per group of its keys (each group within one K/V scale block).
+template <int kGroups_>
+struct KeyGroupScales {
+  static constexpr int kGroups = kGroups_;
+  float qk_log2[kGroups];  // softmax_scale * log2(e) * q_scale * k_scale(group)
+  float log2_v[kGroups];   // log2 v_scale(group)
+  float inv_v[kGroups];    // 1 / v_scale(group)
+};
+
 template <int kRows, bool kSplitChains, bool kLazyRescale = false, bool kIntRowMax = false>
-struct OnlineSoftmaxFp8 {
+struct OnlineSoftmaxFp8
+    : OnlineSoftmaxSteps<OnlineSoftmaxFp8<kRows, kSplitChains, kLazyRescale, kIntRowMax>, kRows, kLazyRescale,
+                         kIntRowMax> {
   static constexpr float kMaxOffset = 8.f;
   // kLazyRescale: how far (log2) a tile may raise a row's max before O and the sum are
   // rescaled. P is then at most 2^(kMaxOffset + 0.75) = 431, within e4m3's 448, and O's
@@ -44,7 +56,8 @@ struct OnlineSoftmaxFp8 {
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // V-weighted, log2 domain; -inf: no key yet
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
 
-  CUTLASS_DEVICE OnlineSoftmaxFp8() {
+  // The logit scale is in each key group's factor (KeyGroupScales::qk_log2).
+  CUTLASS_DEVICE explicit OnlineSoftmaxFp8(float /*scale_log2*/) {
     fill(row_max, -INFINITY);
     fill(row_sum, 0.f);
   }
@@ -61,8 +74,9 @@ struct OnlineSoftmaxFp8 {
   // kChains dependent chains (the kernels without kIntRowMax), or as a pairwise tree (the
   // fallback of update_row_maxes).
   template <bool kTree, int kGroups, class TensorS>
-  CUTLASS_DEVICE static float thread_tile_max(TensorS const& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
-                                              float const (&log2_v)[kGroups]) {
+  CUTLASS_DEVICE static float thread_tile_max(TensorS const& tSrS_rowcol, int mi, KeyGroupScales<kGroups> const& scales) {
+    float const(&scale_log2)[kGroups] = scales.qk_log2;
+    float const(&log2_v)[kGroups] = scales.log2_v;
     constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
     static_assert(kGroupCols * kGroups == decltype(size<1>(tSrS_rowcol))::value && kGroupCols % kChains == 0);
     float tile_max = -INFINITY;
@@ -92,8 +106,9 @@ struct OnlineSoftmaxFp8 {
   // cleared where a group's part holds no score >= +0 (its result is then not its max).
   template <int kGroups, class TensorS>
   CUTLASS_DEVICE static float thread_tile_max_int(TensorS const& tSrS_rowcol, int mi,
-                                                  float const (&scale_log2)[kGroups],
-                                                  float const (&log2_v)[kGroups], bool& exact) {
+                                                  KeyGroupScales<kGroups> const& scales, bool& exact) {
+    float const(&scale_log2)[kGroups] = scales.qk_log2;
+    float const(&log2_v)[kGroups] = scales.log2_v;
     constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
     float tile_max = -INFINITY;
     CUTE_UNROLL
@@ -120,57 +135,13 @@ struct OnlineSoftmaxFp8 {
     return had_keys && !keep ? exp2f(prev_shift - shift(mi)) : 1.f;
   }
 
-  // Every row's running max updated with tile S; correction(mi) gets row mi's O rescale.
-  // The thread's parts come from the scores' integer max, and a warp where any part was
-  // not exact (all its scores negative: rare for real scores) takes FMNMX for all its
-  // rows, as do tiles under the mask (masked: warp-uniform); both give the same bits
-  // where both are exact.
-  template <bool kFirstTile, int kGroups, class TensorS, class TensorCorrection>
-  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, float const (&scale_log2)[kGroups],
-                                       float const (&log2_v)[kGroups], TensorCorrection& correction, bool masked) {
-    float thread_max[kRows];
-    if constexpr (kIntRowMax) {
-      bool exact = false;
-      if (!masked) {
-        exact = true;
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          thread_max[mi] = thread_tile_max_int(tSrS_rowcol, mi, scale_log2, log2_v, exact);
-        }
-        exact = __all_sync(0xffffffffu, exact);
-      }
-      if (!exact) {
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          thread_max[mi] = thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scale_log2, log2_v);
-        }
-      }
-    } else {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        thread_max[mi] = thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v);
-      }
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) { correction(mi) = merge_row_max<kFirstTile>(thread_max[mi], mi); }
-  }
-
-  // Whether any row of this warp's part of O has a factor other than 1 (a warp-uniform
-  // branch around the rescale); always where the rescale is not lazy.
-  template <class TensorCorrection>
-  CUTLASS_DEVICE static bool any_rescale(TensorCorrection const& correction) {
-    if constexpr (!kLazyRescale) { return true; }
-    bool any = false;
-    CUTE_UNROLL
-    for (int mi = 0; mi < size(correction); ++mi) { any |= correction(mi) != 1.f; }
-    return __any_sync(0xffffffffu, any);
-  }
-
   // Row mi of S turned into P in place, and its sum (over P / v) added.
   template <int kGroups, class TensorS>
-  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, float const (&scale_log2)[kGroups],
-                                       float const (&log2_v)[kGroups], float const (&inv_v)[kGroups],
+  CUTLASS_DEVICE void exponentiate_row(TensorS& tSrS_rowcol, int mi, KeyGroupScales<kGroups> const& scales,
                                        float correction) {
+    float const(&scale_log2)[kGroups] = scales.qk_log2;
+    float const(&log2_v)[kGroups] = scales.log2_v;
+    float const(&inv_v)[kGroups] = scales.inv_v;
     constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
     float const cur_shift = shift(mi);
     float sum = 0.f;
@@ -194,31 +165,11 @@ struct OnlineSoftmaxFp8 {
     row_sum(mi) = row_sum(mi) * correction + sum;
   }
 
-  // Both, row by row. Returns the O rescale per row.
-  template <bool kFirstTile, int kGroups, class TensorS>
-  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, float const (&scale_log2)[kGroups],
-                                    float const (&log2_v)[kGroups], float const (&inv_v)[kGroups], bool masked) {
-    static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
-    Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-    if constexpr (kIntRowMax) {
-      update_row_maxes<kFirstTile>(tSrS_rowcol, scale_log2, log2_v, correction, masked);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi)); }
-    } else {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        correction(mi) = merge_row_max<kFirstTile>(
-            thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scale_log2, log2_v), mi);
-        exponentiate_row(tSrS_rowcol, mi, scale_log2, log2_v, inv_v, correction(mi));
-      }
-    }
-    return correction;
-  }
-
   // O / row sum (V's scale is inside both). Returns the natural-log logsumexp of the true
   // scores (-inf for an empty row): log2 of it is max_w - kMaxOffset + log2(sum).
+  // softmax_scale: unused (the logit scale is in the group factors).
   template <class TensorO>
-  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol) {
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float /*softmax_scale*/) {
     Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {

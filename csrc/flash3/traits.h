@@ -8,6 +8,11 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "barriers.h"
+#include "block_scales.h"
+#include "params.h"
+#include "softmax.h"
+#include "tiles_fwd.h"
 #include "utils.h"
 
 namespace flash3 {
@@ -143,14 +148,24 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<256, kIsCausal, kSho
   static constexpr bool kTmaStoreO = true;
 };
 
+// The tiles of TileConfig (tiles_fwd.h).
+template <class Element, int kHeadDim, bool kIsCausal, bool kShortSeq, int kHeadDimV,
+          class Config = TileConfig<kHeadDim, kIsCausal, kShortSeq, kHeadDimV>>
+using FwdTilesOf = FwdTiles<Element, Config::kConsumerWarpgroups, Config::kBlockN, kHeadDim, kHeadDimV, Config::kStages>;
+
 template <class Element_, int kHeadDim_, bool kIsCausal_, bool kShortSeq_ = false, int kHeadDimV_ = kHeadDim_>
-struct KernelTraits {
+struct KernelTraits : FwdTilesOf<Element_, kHeadDim_, kIsCausal_, kShortSeq_, kHeadDimV_> {
   using Element = Element_;
+  using ElementOut = Element;
   using ElementAccum = float;
+  using HostParams = FwdParams;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
+  // The PV WGMMA reads V from shared memory as TMA wrote it (traits_fp8.h transposes it).
+  static constexpr bool kTransposeV = false;
 
   using Config = TileConfig<kHeadDim, kIsCausal_, kShortSeq_, kHeadDimV>;
+  using Tiles = FwdTilesOf<Element_, kHeadDim_, kIsCausal_, kShortSeq_, kHeadDimV_>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kProducerWarpgroups = 1;
   static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
@@ -192,19 +207,24 @@ struct KernelTraits {
   // kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal kernel (from 4k) -1.5%, hdim
   // 128 causal -1..-3%, hdim 128 non-causal and hdim 256 within +-1%: there it stays off.
   static constexpr bool kIntRowMax = kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
+  // One logit scale for the whole kernel (block_scales.h), and the softmax of softmax.h.
+  using Scales = NoBlockScales;
+  template <int kRows>
+  using Softmax = OnlineSoftmax<kRows, kLazyRescale, kIntRowMax>;
+  // setmaxnreg: the producer only issues TMA (barriers.h).
+  using Registers = RegisterBudget<kConsumerWarpgroups>;
+  // The pingpong turns' barrier ids from registers (barriers.h PingpongTurns).
+  static constexpr bool kPingpongIdsFromThreadIdx = false;
 
-  using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  // The P V product: M = query rows, N = V's head dim, K = keys.
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
+  // Tile shapes, the Q K^T MMA, Q's and K's layouts: tiles_fwd.h.
+  using typename Tiles::TileShapeMNK;
+  using typename Tiles::TileShapePV;
+  using typename Tiles::AtomLayoutMNK;
+  using typename Tiles::TiledMmaQK;
+  using typename Tiles::SmemAtomQ;
+  using typename Tiles::SmemLayoutQ;
+  using typename Tiles::SmemLayoutK;
 
-  // Each consumer warpgroup owns 64 rows of the Q tile: the atom layout stacks the
-  // warpgroups along M.
-  using AtomLayoutMNK = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
-
-  // S = Q K^T: both operands K-major (head dim contiguous) in shared memory.
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      AtomLayoutMNK{}));
   // O += P V: P comes from registers (the S accumulator converted in place); V is read
   // from shared memory as an MN-major operand (head dim contiguous), so no transpose
   // is needed for 16-bit types.
@@ -214,14 +234,6 @@ struct KernelTraits {
   // One warpgroup's share of it (its 64 rows), for O staged per warpgroup (kOInKVStages).
   using TiledMmaPVWarpgroup = decltype(make_tiled_mma(MmaAtomPV{}));
 
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-
-  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V is stored like K (as TMA brings it: keys x head dim; the same layout where the head
   // dims are equal) ...
   using SmemAtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
@@ -238,10 +250,6 @@ struct KernelTraits {
   // buffer one warp's rows at a time.
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   static_assert(cute::cosize_v<SmemLayoutO> <= cute::cosize_v<SmemLayoutQ>, "O fits in Q's buffer");
-
-  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineV = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
@@ -283,6 +291,9 @@ struct KernelTraits {
   static constexpr bool kOInKVStages =
       kTmaStoreO && kPersistent && !kSmemOSeparate && kBlockN >= 64 && kConsumerWarpgroups == 2;
   static constexpr bool kReleaseQAfterEpilogue = kTmaStoreO && !kSmemOSeparate && !kOInKVStages;
+  // What the O epilogue reads (epilogue_fwd.h): these traits themselves (traits_fp8.h has
+  // its own, for a bf16 output).
+  using OutputTraits = KernelTraits;
 };
 
 }  // namespace flash3

@@ -1,7 +1,9 @@
-// Tile shapes, shared-memory layouts and tiled MMAs of the FP8 (e4m3) forward kernel.
-// Output is bf16; both GEMMs are FP8 WGMMAs (QGMMA), whose operands must be K-major in
-// shared memory: Q and K are (head dim contiguous), V is not, so V lands in a raw buffer
-// and the producer warpgroup transposes it into V^T (transpose_v_fp8.h).
+// The FP8 (e4m3) forward kernel's traits: what the forward kernel (kernel_fwd.h,
+// mainloop_fwd.h) runs with for e4m3 inputs, beside traits.h's for 16-bit ones. Output
+// is bf16; both GEMMs are FP8 WGMMAs (QGMMA), whose operands must be K-major in shared
+// memory: Q and K are (head dim contiguous), V is not, so V lands in a raw buffer and the
+// producer warpgroup transposes it into V^T (kTransposeV, transpose_v_fp8.h); the block
+// scales (block_scales.h) enter the softmax (softmax_fp8.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,15 +12,20 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "barriers.h"
+#include "block_scales.h"
 #include "params_fp8.h"
+#include "softmax_fp8.h"
+#include "tiles_fwd.h"
 #include "transpose_v_fp8.h"
+#include "utils.h"
 
 namespace flash3 {
 
 using namespace cute;
 
 // Key tiles of kBlockN keys; when kBlockN does not divide kScaleBlockK the mainloop splits a
-// tile into groups with their own K/V scales (mainloop_fwd_fp8.h; exact, since the softmax
+// tile into groups with their own K/V scales (block_scales.h; exact, since the softmax
 // carries V's scale in the exponent). The default is 128 keys; hdim 128 also has a 192-key
 // kernel, which dispatch_fp8.cu runs from 2k keys. Consumer warpgroups of 64 rows each (one
 // Q scale block each).
@@ -75,16 +82,27 @@ struct TileConfigFp8 {
   static constexpr bool kSplitChains = kHeadDim == 64 && !kIsCausal;
 };
 
+// The tiles of TileConfigFp8 (tiles_fwd.h): V and O have Q and K's head dim.
+template <int kHeadDim, class Config>
+using FwdTilesFp8 = FwdTiles<cutlass::float_e4m3_t, Config::kConsumerWarpgroups, Config::kBlockN, kHeadDim, kHeadDim,
+                             Config::kStages>;
+
 template <int kHeadDim_, bool kIsCausal_, int kBlockNOverride = 0, bool kPersistentOverride = false,
           int kWarpgroupsOverride = 0>
-struct KernelTraitsFp8 {
+struct KernelTraitsFp8
+    : FwdTilesFp8<kHeadDim_, TileConfigFp8<kHeadDim_, kIsCausal_, kBlockNOverride, kPersistentOverride,
+                                           kWarpgroupsOverride>> {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
+  using HostParams = FwdFp8Params;
+  // V is transposed in shared memory by the producer warpgroup (mainloop_fwd.h).
+  static constexpr bool kTransposeV = true;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDim;  // V and O: Q and K's head dim
 
   using Config = TileConfigFp8<kHeadDim, kIsCausal_, kBlockNOverride, kPersistentOverride, kWarpgroupsOverride>;
+  using Tiles = FwdTilesFp8<kHeadDim, Config>;
   static constexpr int kConsumerWarpgroups = Config::kConsumerWarpgroups;
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
@@ -97,7 +115,7 @@ struct KernelTraitsFp8 {
   static constexpr bool kPingpong = Config::kPingpong;
   static constexpr bool kSplitChains = Config::kSplitChains;
   // The row max and half the exponentials of key tile j + 1 run under the warpgroup's own
-  // O += P(j) V(j), O's rescale beside the other half after it (mainloop_fwd_fp8.h). H200
+  // O += P(j) V(j), O's rescale beside the other half after it (mainloop_fwd.h). H200
   // A/B against the softmax after that GEMM: hdim 128 +3..+6% at
   // 8k-16k keys (the 192-key kernels) and +4% at 512 non-causal, but -6..-1% at 2k-4k;
   // hdim 64 causal +1..+2%; hdim 64 non-causal -5..0% and hdim 256 -4..-2% non-causal.
@@ -122,7 +140,7 @@ struct KernelTraitsFp8 {
   static constexpr bool kLazyRescale = kHeadDim == 128 && kSoftmaxUnderPv == SoftmaxUnderPv::kHalf && kBlockN == 192;
   // A key tile over several scale groups (hdim 128, 192-key tiles: three groups of 64
   // keys) works out each group's scales on a lane of its own and shuffles them to the
-  // warp (mainloop_fwd_fp8.h group_scales): 2 MUFU instructions per warp and tile instead
+  // warp (block_scales.h BlockScalesFp8::Rows::tile): 2 MUFU instructions per warp and tile instead
   // of 6, 36 instructions at the loop's top instead of 54. H200 A/B (three passes each,
   // bitwise-identical outputs): the kernels with the
   // softmax after the PV GEMM +5.7 / +4.9% non-causal at 2k / 4k keys, +2.1 / +3.2%
@@ -147,8 +165,8 @@ struct KernelTraitsFp8 {
   // Registers at hdim 256. kPingpongIdsFromThreadIdx: the pingpong turns' barrier ids
   // from a fresh read of %tid.x at each turn rather than from registers (barriers.h
   // PingpongTurns). kOneScaleOffset: one offset for K's and V's scales
-  // (mainloop_fwd_fp8.h). With them, and the producer on one pipeline state and its
-  // transposer's key steps outermost (every FP8 kernel; mainloop_fwd_fp8.h, transpose_v_fp8.h), the
+  // (block_scales.h). With them, and the producer on one pipeline state and its
+  // transposer's key steps outermost (every FP8 kernel; mainloop_fwd.h load_transposing, transpose_v_fp8.h), the
   // non-causal hdim 256 kernel holds all it needs in its registers (ptxas: no spills;
   // 22 local-memory instructions before) and the causal ones' 26 fall to 13 and 9.
   // Outputs bitwise identical; H200 A/B: hdim 256 +0.0..+1.8%.
@@ -160,29 +178,25 @@ struct KernelTraitsFp8 {
   // The producer transposes V as well as loading (transpose_v_fp8.h TransposeV): 40 registers where
   // the consumers can spare them, and the shared budget rule (barriers.h) for the rest.
   using Registers = RegisterBudget<kConsumerWarpgroups, kSmallConsumer ? 40 : 24>;
-  static constexpr int kProducerRegisters = Registers::kProducer;
-  static constexpr int kConsumerRegisters = Registers::kConsumer;
 
-  using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using AtomLayoutMNK = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using Scales = BlockScalesFp8<kBlockM, kBlockN, kLaneScales, kOneScaleOffset>;
+  template <int kRows>
+  using Softmax = OnlineSoftmaxFp8<kRows, kSplitChains, kLazyRescale, kIntRowMax>;
 
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      AtomLayoutMNK{}));
+  // Tile shapes, the Q K^T MMA, Q's and K's layouts: tiles_fwd.h.
+  using typename Tiles::TileShapeMNK;
+  using typename Tiles::TileShapePV;
+  using typename Tiles::AtomLayoutMNK;
+  using typename Tiles::TiledMmaQK;
+  using typename Tiles::SmemLayoutQ;
+  using typename Tiles::SmemLayoutK;
+
   // P from registers (K-major by construction), V^T from shared memory, K-major.
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::K>(),
       AtomLayoutMNK{}));
 
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-
-  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V as TMA writes it: (keys, head dim, stage), head dim contiguous.
   using SmemLayoutV = SmemLayoutK;
   // V^T as the PV WGMMA reads it: (head dim, keys, stage), keys contiguous.
@@ -191,9 +205,9 @@ struct KernelTraitsFp8 {
   using SmemLayoutVt = decltype(tile_to_shape(SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
 
   using Transpose = TransposeV<SmemLayoutV, SmemLayoutVt, kBlockN, kHeadDim, kProducerThreads,
-                               kProducerRegisters >= 40 ? 2 : 1>;
+                               Registers::kProducer >= 40 ? 2 : 1>;
 
-  // kTmaStoreO: O (bf16) leaves through a shared-memory buffer of its own and TMA stores
+  // kSmemOSeparate: O (bf16) leaves through a shared-memory buffer of its own and TMA stores
   // (EpilogueFwdTma, epilogue_fwd.h) rather than straight from registers: the consumers
   // hand the rows over in a few STSM and go on to the next tile, and the global writes
   // are whole lines. Shared memory has room at hdim <= 128 (24-32 KB beside 60-112 KB).
@@ -205,7 +219,7 @@ struct KernelTraitsFp8 {
   // OutputTraits is what that epilogue reads: a bf16 tile of Q's shape ("SmemLayoutQ":
   // the staging layout) and the PV MMA, whose accumulator layout is that of any 64 x N
   // WGMMA.
-  static constexpr bool kTmaStoreO = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
+  static constexpr bool kSmemOSeparate = kHeadDim == 128 || (kHeadDim == 64 && kIsCausal_);
   // kOInKVStages (hdim 256, whose shared memory has no room for O's buffer): as in the
   // 16-bit hdim 256 short kernels (traits.h), each consumer warpgroup stages its 64 rows
   // of O over one of the tile's last stages, warpgroup 0 over the last V^T stage and
@@ -215,6 +229,12 @@ struct KernelTraitsFp8 {
   // +6.7 / +5.0 / +3.4 / +2.5% at 512-16k, causal +22.9 / +14.8 / +9.7 / +6.0 / +4.4 /
   // +2.3%.
   static constexpr bool kOInKVStages = kHeadDim == 256;
+  // O leaves through TMA stores (either way above); Q has one buffer, released after the
+  // tile's last Q K^T as usual.
+  static constexpr bool kTmaStoreO = kSmemOSeparate || kOInKVStages;
+  static constexpr int kQStages = 1;
+  using PipelineStateQ = cutlass::PipelineState<kQStages>;
+  static constexpr bool kReleaseQAfterEpilogue = false;
   struct OutputTraits {
     using Element = ElementOut;
     static constexpr int kBlockM = KernelTraitsFp8::kBlockM;
@@ -232,13 +252,9 @@ struct KernelTraitsFp8 {
                              GMMA::Major::K>()));
   };
 
-  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineV = cutlass::PipelineTmaAsync<kStages>;  // TMA -> transposer
-  using PipelineVt = cutlass::PipelineAsync<kStages>;    // transposer -> consumers
-  using PipelineState = cutlass::PipelineState<kStages>;
-
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim;
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim;
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim;
+  static constexpr uint32_t kBytesV = kBytesK;
 };
 
 }  // namespace flash3

@@ -1,11 +1,15 @@
-// The FP8 forward's P: the softmax's float probabilities packed into the e4m3 A operand
-// of O += P V, in the key order of V^T (transpose_v_fp8.h).
+// P, the softmax's probabilities as the register A operand of the forward's O += P V
+// (OperandP): for 16-bit inputs S's accumulator converted in place and read through an
+// A-operand view; for e4m3 inputs packed into e4m3 in the key order of V^T
+// (transpose_v_fp8.h).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 
 #include <cstdint>
+
+#include "utils.h"
 
 namespace flash3 {
 
@@ -48,5 +52,31 @@ CUTLASS_DEVICE void convert_p_to_operand_a(TensorS const& tSrS, TensorP& tOrP) {
     p[base / 4 + 1] = pack_e4m3x4(s[base + 2], s[base + 3], s[base + 6], s[base + 7]);
   }
 }
+
+// make(tiled_mma_pv, tSrS): P's registers; as_operand_a(rP): the view the PV WGMMA takes;
+// convert(tSrS, rP): P from the softmax's output.
+template <class Element, class TileShapePV, bool kTransposeV>
+struct OperandP {
+  template <class TiledMmaPV, class TensorS>
+  CUTLASS_DEVICE static auto make(TiledMmaPV const& tiled_mma_pv, TensorS const& tSrS) {
+    if constexpr (kTransposeV) {
+      return make_tensor<Element>(partition_shape_A(tiled_mma_pv, select<0, 2>(TileShapePV{})));
+    } else {
+      return make_tensor<Element>(tSrS.layout());
+    }
+  }
+  template <class TensorP>
+  CUTLASS_DEVICE static auto as_operand_a(TensorP& rP) {
+    if constexpr (kTransposeV) {
+      return make_tensor(rP.data(), rP.layout());
+    } else {
+      return make_tensor(rP.data(), accumulator_as_operand_a(rP.layout()));
+    }
+  }
+  template <class TensorS, class TensorP>
+  CUTLASS_DEVICE static void convert(TensorS const& tSrS, TensorP& rP) {
+    if constexpr (kTransposeV) { convert_p_to_operand_a(tSrS, rP); } else { convert_into(tSrS, rP); }
+  }
+};
 
 }  // namespace flash3
