@@ -12,6 +12,7 @@
 #include <cstdio>
 #include "flash3/mask.h"
 #include "flash3/kernel_fwd.h"
+#include "flash3/traits.h"
 #include "flash3/traits_fp8.h"
 #include "flash3/kernel_bwd.h"
 

@@ -62,12 +62,12 @@ CUTLASS_DEVICE void named_barrier_arrive(int num_threads, NamedBarrier id) {
 }
 
 // Pingpong between consumer warpgroups (the forward, 16-bit and FP8, and the backward):
-// a warpgroup waits for its turn before issuing its
-// GEMMs and passes the turn on right after, so one warpgroup's GEMMs overlap the other's
-// softmax. Every warpgroup issues the same number of times per tile; the last
-// warpgroup's final hand-over is skipped (its first turn came from start()), which
-// balances the barriers at each tile boundary. No counters: the caller says which issue
-// is the final one (registers are tight at hdim 256).
+// a warpgroup waits for its turn before issuing its GEMMs and passes the turn on right
+// after, so one warpgroup's GEMMs overlap the other's softmax. Every warpgroup issues the
+// same number of times per tile; the last warpgroup's final hand-over is skipped (its
+// first turn came from start()), which balances the barriers at each tile boundary. No
+// counters: the caller says which issue is the final one (registers are tight at hdim
+// 256).
 //
 // kIdsFromThreadIdx (two consumer warpgroups, which are threads 128..255 and 256..383 of
 // the CTA): each turn reads %tid.x afresh and picks its barrier id by a predicate, so the

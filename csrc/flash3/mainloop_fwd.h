@@ -33,6 +33,7 @@ struct MainloopFwd {
   using Element = typename Traits::Element;
   static constexpr bool kTransposeV = Traits::kTransposeV;
   static_assert(!(kTransposeV && kVarlen), "packed batches: 16-bit inputs only");
+  static_assert(!kTransposeV || Traits::kQStages == 1, "load_transposing loads Q into its only buffer");
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;

@@ -59,8 +59,8 @@ CUTLASS_DEVICE void convert_into(TensorSrc const& src, TensorDst& dst) {
 // scripts/check_sass.py counts the exponentials between the two waits (EX2|GEMM).
 //
 // How much of the softmax of key tile j + 1 a warpgroup computes while its own
-// O += P(j) V(j) is in flight (the traits' kSoftmaxUnderPv; mainloop_fwd.h,
-// mainloop_fwd.h): none, the row max and half the rows' exponentials, or all of it.
+// O += P(j) V(j) is in flight (the traits' kSoftmaxUnderPv; mainloop_fwd.h): none, the
+// row max and half the rows' exponentials, or all of it.
 enum class SoftmaxUnderPv { kNone, kHalf, kWhole };
 
 template <class F>
