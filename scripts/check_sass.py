@@ -200,7 +200,7 @@ def main():
                   + f" {under_gemm:>10}" + extra + note)
         print(f"{len(kernels)} {kind} kernels checked: {'FAIL' if kind_failed else 'ok'}")
         failed |= kind_failed
-    if not any(marker in name for name, _ in functions for _k, _r, marker in kinds):
+    if not any(belongs(name) for name, _ in functions for _k, _r, belongs in kinds):
         sys.exit(f"check_sass: no flash3 kernel in {module}")
     sys.exit(1 if failed else 0)
 
