@@ -146,13 +146,8 @@ struct MainloopFwd {
     return storage.smem_q.data() + (kQStages > 1 ? q_stage * kQStageElements : 0);
   }
 
-  // Producer: one elected thread of the producer warp. Q once, then K and V tile by
-  // tile from the last key tile down (the masked tiles first, see mask.h). K and V have
-  // separate pipelines so that S = Q K^T can start before V has landed. The first K goes
-  // out before Q: it only needs a free stage, while Q must wait until the consumers are
-  // done with the previous tile's Q.
-  // 16-bit inputs: tma_thread only (the producer warp's elected thread). e4m3: every
-  // producer thread (load_transposing).
+  // Producer, one tile: load_direct on the producer warp's elected thread (tma_thread)
+  // for 16-bit inputs, load_transposing on every producer thread for e4m3.
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
@@ -167,6 +162,10 @@ struct MainloopFwd {
     }
   }
 
+  // Q once, then K and V tile by tile from the last key tile down (the masked tiles
+  // first, see mask.h). K and V have separate pipelines so that S = Q K^T can start
+  // before V has landed. The first K goes out before Q: it only needs a free stage, while
+  // Q must wait until the consumers are done with the previous tile's Q.
   CUTLASS_DEVICE static void load_direct(Params const& params, SharedStorage& storage,
                                          cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                          cutlass::arch::ClusterBarrier& barrier_q_empty, int q_phase, int q_stage,
@@ -342,11 +341,8 @@ struct MainloopFwd {
   // Consumers: returns the output accumulator of this thread (normalised) and the
   // logsumexp of its rows. Iteration j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j)
   // together, then runs the softmax of S(j+1) while O's GEMM is still in flight
-  // (the intra-warpgroup overlap of the paper). Pingpong (Traits::kPingpong): the
-  // consumer warpgroups take turns to issue their GEMMs (barriers.h PingpongTurns), so
-  // that while one warpgroup's GEMMs occupy the tensor cores the others run their
-  // softmax; without it they issue freely and the hardware's warp scheduler interleaves
-  // them (measured faster for some tiles, see the traits).
+  // (the intra-warpgroup overlap of the paper). With Traits::kPingpong the consumer
+  // warpgroups take turns to issue their GEMMs (barriers.h PingpongTurns).
   template <class TensorO>
   CUTLASS_DEVICE static auto mma(Params const& params, SharedStorage& storage,
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
