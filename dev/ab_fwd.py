@@ -3,11 +3,12 @@
 
 Each tree's flash3 module (a folder holding the flash3 package with its _C*.so) runs in a
 process of its own, the passes in rotating order (base, new, new, base, ...), so that
-drift of the card's clocks touches every tree alike. Every pass also times cuDNN (PyTorch
-SDPA) on the same inputs: the same-run reference the benchmark compares with. Prints, per
-cell, each tree's median TFLOPs/s over its passes, the ratio of every tree to the first,
-flash3/cuDNN per tree, and whether the trees' outputs are bitwise identical; writes the
-raw passes as JSON.
+drift of the card's clocks touches every tree alike. Every pass also times the references
+(--refs: cuDNN through PyTorch SDPA by default; `fa3`, `fa3-fp8` for FlashAttention-3 where
+flash_attn_interface imports) on the same inputs: the same-run references the benchmark
+compares with. Prints, per cell, each tree's median TFLOPs/s over its passes, the ratio of
+every tree to the first, each tree over each reference, and whether the trees' outputs
+are bitwise identical; writes the raw passes as JSON.
 
   python3 dev/ab_fwd.py --trees base=.,new=.ab/new --cells 64:causal:512,1024 \\
       --cells 64:full:512 --passes 3 --out $OUT/ab.json
@@ -41,7 +42,7 @@ def parse_cells(specs):
     return cells
 
 
-def worker(tree: str, cells, dtype: str, warmup: int, reps: int, impl: str) -> dict:
+def worker(tree: str, cells, dtype: str, warmup: int, reps: int, impl: str, refs: list[str]) -> dict:
     sys.path.insert(0, str(Path(tree).resolve()))
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import torch  # noqa: WPS433
@@ -58,7 +59,7 @@ def worker(tree: str, cells, dtype: str, warmup: int, reps: int, impl: str) -> d
                                        seed=hdim * 100003 + seqlen * 7 + causal)
         nflops = bench.flops(batch, nheads, seqlen, hdim, causal)
         row = {"hdim": hdim, "causal": causal, "seqlen": seqlen}
-        for name in (impl, "sdpa-cudnn"):
+        for name in (impl, *refs):
             fn, ctx = backends.attention_fn(name, causal)
             with ctx():
                 ms = bench.time_fn(lambda: fn(q, k, v), warmup, reps)
@@ -80,15 +81,18 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="passes per tree")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--impl", default="flash3", choices=["flash3", "flash3-fp8"])
+    ap.add_argument("--refs", default="sdpa-cudnn",
+                    help="comma list of backends timed beside each pass (bench_attention.py names: sdpa-cudnn, fa3)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None, help="raw passes as JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cells = parse_cells(args.cells)
+    refs = [r for r in args.refs.split(",") if r]
 
     if args.worker is not None:
-        print(json.dumps(worker(args.worker, cells, args.dtype, args.warmup, args.reps, args.impl)))
+        print(json.dumps(worker(args.worker, cells, args.dtype, args.warmup, args.reps, args.impl, refs)))
         return 0
 
     if not args.trees:
@@ -100,9 +104,11 @@ def main(argv=None) -> int:
     passes = []
     for name, spec in order:
         path, *settings = spec.split(":")
-        env = dict(os.environ, PYTHONPATH="", **dict(x.split("=", 1) for x in settings))
+        # The tree's module comes first on the worker's path (checked there); PYTHONPATH
+        # stays for the references (FlashAttention-3's build).
+        env = dict(os.environ, **dict(x.split("=", 1) for x in settings))
         cmd = [sys.executable, __file__, "--worker", path, "--dtype", args.dtype, "--warmup", str(args.warmup),
-               "--reps", str(args.reps), "--impl", args.impl] + [x for c in args.cells for x in ("--cells", c)]
+               "--reps", str(args.reps), "--impl", args.impl, "--refs", args.refs] + [x for c in args.cells for x in ("--cells", c)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"pass of {name} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
@@ -114,16 +120,16 @@ def main(argv=None) -> int:
 
     names = [n for n, _ in trees]
     header = ["hdim", "mask", "seqlen"] + names + [f"{n}/{names[0]}" for n in names[1:]] + \
-        [f"{n}/cuDNN" for n in names] + ["bitwise"]
+        [f"{n}/{r}" for r in refs for n in names] + ["bitwise"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for i, (hdim, causal, seqlen) in enumerate(cells):
         med = {n: statistics.median(p["rows"][i]["flash3"] for p in passes if p["name"] == n) for n in names}
-        cudnn = {n: statistics.median(p["rows"][i]["sdpa-cudnn"] for p in passes if p["name"] == n) for n in names}
+        ref = {(r, n): statistics.median(p["rows"][i][r] for p in passes if p["name"] == n) for r in refs for n in names}
         digests = {p["rows"][i]["digest"] for p in passes}
         cols = [str(hdim), "causal" if causal else "full", str(seqlen)] + [f"{med[n]:.1f}" for n in names]
         cols += [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
-        cols += [f"{med[n] / cudnn[n]:.3f}" for n in names]
+        cols += [f"{med[n] / ref[r, n]:.3f}" for r in refs for n in names]
         cols.append("yes" if len(digests) == 1 else "no")
         print("| " + " | ".join(cols) + " |")
     return 0
