@@ -109,7 +109,7 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
 # table dealt out on the host, longest first to the least loaded CTAs (scheduler_tail.h).
 # 8 x 16 heads of 1000 rows are 1024 query tiles of 128 rows, 7.8 rounds of 132 CTAs: the
 # host deals out the last two and a bit at hdim 64 and 128 (both shapes) and 256 (1000 x
-# 1000; at 1000 x 400 its model keeps the plain snake); hdim 96 and 192 run their general
+# 1000; at 1000 x 400 its model keeps the plain paired order); hdim 96 and 192 run their general
 # kernels. At 1000 x 400 the first 600 rows see no key: their tiles, which the producer
 # skips, sit in the table too.
 # The deal must not change a bit of the output: each batch alone (16 heads of 8 query
@@ -120,6 +120,30 @@ def test_tail_balanced_tile_schedule(seed, d, seqlens):
     _skip_unless_built(torch.bfloat16, d, True)
     sq, sk = seqlens
     q, k, v = _make_qkv(seed, 8, sq, sk, 16, 16, d, torch.bfloat16)
+    out, lse = _run(q, k, v, True)
+    _check_against_reference(q, k, v, True, out, lse)
+    for b in range(q.shape[0]):
+        out_b, lse_b = _run(q[b : b + 1], k[b : b + 1], v[b : b + 1], True)
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
+            f"batch {b}: the tile order changed the output"
+        )
+
+
+# The persistent causal kernels walk their tiles in the snake or in pairs of equal work
+# (a head's longest tile with its shortest; scheduler.h), whichever the host's model of
+# the makespan prefers (scheduler_tail.h), then a dealt tail. 2 batches of: 1243 rows x 8
+# heads, 160 tiles of 128 rows, pairs (the snake would leave 28 CTAs a second tile), one
+# pair per CTA; 1115 x 12, 9 tiles per head: pairs, some spanning two heads; 1000 x 16,
+# 128 tiles: one tile per CTA; 2100 x 40, 17 tiles per head: the snake with a dealt tail;
+# 2395 x 48, 1824 tiles: pairs with a dealt tail. Every tile is computed once and the
+# order does not change a bit: each batch alone (another order) gives the same rows.
+@pytest.mark.parametrize("shape", [(1243, 8), (1115, 12), (1000, 16), (2100, 40), (2395, 48)],
+                         ids=["1243x8h", "1115x12h", "1000x16h", "2100x40h", "2395x48h"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_balanced_tile_orders(seed, d, shape):
+    _skip_unless_built(torch.bfloat16, d, True)
+    s, h = shape
+    q, k, v = _make_qkv(seed, 2, s, s, h, h, d, torch.bfloat16)
     out, lse = _run(q, k, v, True)
     _check_against_reference(q, k, v, True, out, lse)
     for b in range(q.shape[0]):

@@ -39,11 +39,10 @@ struct FlashFwdKernel {
                                       EpilogueFwd<Traits, ElementOut>>;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
-  // in the short-sequence kernels, whose persistent grid walks them in a balancing snake
-  // order with its last rounds dealt out on the host (scheduler.h, scheduler_tail.h,
-  // traits.h). H200 A/B against the plain snake (three passes,
-  // bitwise-identical outputs): causal hdim 64 +1.2..+1.7%, hdim 128 +1.5..+2.4% and
-  // hdim 256 +1.6% at 1k (-0.2% at 512) over 512-2k tokens.
+  // in the persistent causal kernels, whose grid walks them in a static balancing order
+  // (the snake, or pairs where the host's model finds the snake unbalanced) with its last
+  // rounds dealt out on the host (scheduler.h, scheduler_tail.h, traits.h; the deal
+  // measured +1.2..+2.4% at 512-2k tokens, docs/performance.md).
   // Packed batches of unequal lengths walk a table of their real tiles, written on the
   // device (scheduler_packed.h).
   static_assert(Traits::kBlockM >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
@@ -161,7 +160,7 @@ struct FlashFwdKernel {
 
     if constexpr (kVarlen) {
       if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
-        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile());
+        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile(params.scheduler));
       }
     }
     if (warp_idx == 0 && lane_predicate) {
@@ -190,7 +189,7 @@ struct FlashFwdKernel {
       if (Traits::kTransposeV || tma_thread) {
         typename Mainloop::ProducerState write;
         PipelineStateQ write_q;  // advances with every tile that loads Q
-        for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+        for (int t = Scheduler::first_tile(sched); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
           auto const tile = Scheduler::coord(sched, t);
           Seq const seq = seq_at(params, t, tile.batch);
           // Tiles past the sequence's rows (packed batches: the grid covers the longest
@@ -209,7 +208,7 @@ struct FlashFwdKernel {
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       PipelineState read_k, read_v;
       PipelineStateQ read_q;  // the Q buffer of the current tile
-      for (int t = Scheduler::first_tile(); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+      for (int t = Scheduler::first_tile(sched); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
         auto const tile = Scheduler::coord(sched, t);
         Seq seq = seq_at(params, t, tile.batch);
         // Packed batches: no rows, nothing to write. (Not tested in dense kernels, where it

@@ -42,13 +42,14 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
+    int const max_seqlen = Mask::kIsCausal && !params.is_varlen() ? kDenseCausalShortMaxSeqlen<kHeadDim> : kMaxSeqlen;
     // Each side of a window is at most the longest sequence (api.cpp clamps it).
     FwdVariantLengths const lengths =
         Mask::kIsLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,
                                                params.window_right, kMaxSeqlen)
                        : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
     // Two variants, the general one serving every length: the short one wherever it serves.
-    if (short_seq_bounds(kMaxSeqlen).serves(lengths.seqlen_q, lengths.seqlen_k)) {
+    if (short_seq_bounds(max_seqlen).serves(lengths.seqlen_q, lengths.seqlen_k)) {
       return launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>(params, stream);
     }
   }

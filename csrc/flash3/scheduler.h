@@ -63,18 +63,38 @@ CUTLASS_HOST_DEVICE int section_size(int tiles_per_head, int num_sms, int num_bh
 // the long and the short tiles of a couple of heads in one round; a section starts the
 // longest tiles of all its heads in the first round and fills in with the short ones.
 //
-// kPersistent with kLongestFirst (the causal short-sequence tiles, traits.h): the grid
-// walks the tile list in rounds of gridDim.x tiles, forwards in even rounds and
-// backwards in odd ones (a snake). Within a head the tiles run longest first, so a CTA
-// that drew a long tile in one round draws a short one in the next: with M query tiles
-// per head and M dividing 2 * gridDim.x, every pair of rounds gives each CTA the same
-// work. No tile index crosses shared memory; each warp computes its own sequence.
+// kPersistent with kLongestFirst (the persistent causal kernels, traits.h): a static
+// order that balances tiles of unequal length, with no tile index through shared memory
+// (each warp computes its own sequence), one of two chosen per problem shape on the host
+// (scheduler_tail.h):
+// - the snake: the grid walks the tile list (each head's tiles longest first) in rounds
+//   of gridDim.x tiles, forwards in even rounds and backwards in odd ones, so a CTA that
+//   drew a long tile in one round draws a short one in the next. With M query tiles per
+//   head this balances each pair of rounds where M divides 2 * gridDim.x, and nearly
+//   where a round spans many heads; at 16k tokens, hdim 128 (M = 128, 132 SMs) it leaves
+//   the kernel 1.33x its balanced time (host model), measured 0.80x of one CTA per tile.
+// - pairs: each head's tiles listed in pairs of equal work, its longest with its
+//   shortest, its second longest with its second shortest, ... (ranks r and M - 1 - r walk
+//   M + 1 key tiles between them), and a pair per CTA and round (pair p to CTA
+//   p % gridDim.x): balanced whatever M. But every CTA then runs its long tile and its
+//   short one at the same time as the others, and short tiles are mostly loads and
+//   stores: where the snake balances, pairs measured 1-5% slower (H100, hdim 128 causal
+//   512-1k tokens, hdim 256 2k-4k), so the snake is the default.
+
 // The snake: a persistent grid's next tile after `tile`, walking the list in rounds of
-// gridDim.x tiles, forwards in even rounds and backwards in odd ones.
-CUTLASS_DEVICE int snake_next_tile(int tile) {
-  int const ctas = int(gridDim.x);
+// gridDim.x tiles, forwards in even rounds and backwards in odd ones (also the
+// packed-batch table's order, scheduler_packed.h).
+// (cta of ctas: blockIdx.x of gridDim.x; explicit so that the host can walk it too.)
+CUTLASS_HOST_DEVICE int snake_next_tile(int tile, int ctas, int cta) {
   int const round = tile / ctas + 1;
-  return round * ctas + (round % 2 == 0 ? int(blockIdx.x) : ctas - 1 - int(blockIdx.x));
+  return round * ctas + (round % 2 == 0 ? cta : ctas - 1 - cta);
+}
+CUTLASS_DEVICE int snake_next_tile(int tile) { return snake_next_tile(tile, int(gridDim.x), int(blockIdx.x)); }
+
+// Pairs: position `pos` of a head's list -> the rank of its tile (0: the longest): ranks
+// 0, M - 1, 1, M - 2, ...
+CUTLASS_HOST_DEVICE int paired_rank(int pos, int per_head) {
+  return pos % 2 == 0 ? pos / 2 : per_head - 1 - pos / 2;
 }
 
 template <bool kPersistent, bool kLongestFirst>
@@ -84,6 +104,7 @@ struct TileScheduler {
     int nheads;
     int num_tiles;
     int section;  // (batch, head) pairs per section; 1: head by head
+    int per_round;  // kBalanced: tiles per CTA and round: 1, the snake; 2, pairs
   };
 
   struct Coord {
@@ -93,30 +114,39 @@ struct TileScheduler {
   };
 
   static constexpr bool kSectioned = !kPersistent && kLongestFirst;
+  static constexpr bool kBalanced = kPersistent && kLongestFirst;  // the snake or pairs
 
-  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms = 0) {
+  // per_round (kBalanced): 1, the snake; 2, pairs (scheduler_tail.h picks it, 2 only where
+  // the tiles outnumber the SMs).
+  static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms = 0, int per_round = 1) {
     int const section = kSectioned ? section_size(num_m_blocks, num_sms, nheads * batch) : 1;
-    return {num_m_blocks, nheads, num_m_blocks * nheads * batch, section};
+    return {num_m_blocks, nheads, num_m_blocks * nheads * batch, section, kBalanced ? per_round : 1};
   }
 
   static dim3 grid(Params const& params, int num_sms) {
-    return dim3(kPersistent && num_sms < params.num_tiles ? num_sms : params.num_tiles);
+    int const units = (params.num_tiles + params.per_round - 1) / params.per_round;
+    return dim3(kPersistent && num_sms < units ? num_sms : units);
   }
 
-  static constexpr bool kSnake = kPersistent && kLongestFirst;
-
-  CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
-  CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
+  // The tiles CTA `cta` of `ctas` walks (the device passes blockIdx.x and gridDim.x).
+  CUTLASS_HOST_DEVICE static int first_tile(Params const& params, int cta) { return cta * params.per_round; }
+  CUTLASS_HOST_DEVICE static int next_tile(Params const& params, int tile, int ctas, int cta) {
     if constexpr (!kPersistent) {
       return params.num_tiles;
-    } else if constexpr (kSnake) {
-      return snake_next_tile(tile);
+    } else if constexpr (kBalanced) {
+      if (params.per_round == 1) { return snake_next_tile(tile, ctas, cta); }
+      // The pair's second tile, else the first of the CTA's next pair.
+      return tile % 2 == 0 ? tile + 1 : tile + 2 * ctas - 1;
     } else {
-      return tile + int(gridDim.x);
+      return tile + ctas;
     }
   }
+  CUTLASS_DEVICE static int first_tile(Params const& params) { return first_tile(params, int(blockIdx.x)); }
+  CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
+    return next_tile(params, tile, int(gridDim.x), int(blockIdx.x));
+  }
 
-  CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
+  CUTLASS_HOST_DEVICE static Coord coord(Params const& params, int tile) {
     int bh, m;
     if constexpr (kSectioned) {
       SectionedTile const st = sectioned_tile(tile, params.num_m_blocks, params.section,
@@ -126,6 +156,9 @@ struct TileScheduler {
     } else {
       bh = tile / params.num_m_blocks;
       m = tile - bh * params.num_m_blocks;
+      if constexpr (kBalanced) {
+        if (params.per_round == 2) { m = paired_rank(m, params.num_m_blocks); }
+      }
     }
     return {kLongestFirst ? params.num_m_blocks - 1 - m : m, bh % params.nheads, bh / params.nheads};
   }

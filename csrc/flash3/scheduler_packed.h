@@ -108,7 +108,7 @@ CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
 }
 
 // Without the table: persistent kernels keep the dense batches' scheduler `Dense` and its
-// order (the snake with its dealt tail) where their grid over the longest sequence holds
+// order (the snake or pairs, with its dealt tail) where their grid over the longest sequence holds
 // no more tiles than the host's bound (equal or near-equal lengths, decoding); the other
 // kernels run one CTA per sequence and head where every sequence fits one tile
 // (decoding: no table kernel before a call of a few microseconds). (The dense scheduler
@@ -153,7 +153,12 @@ struct PackedTileScheduler {
     }
   }
 
-  CUTLASS_DEVICE static int first_tile() { return int(blockIdx.x); }
+  CUTLASS_DEVICE static int first_tile(Params const& params) {
+    if constexpr (kPersistent) {
+      if (params.tiles == nullptr) { return Dense::first_tile(params.dense); }
+    }
+    return int(blockIdx.x);
+  }
   CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
     if constexpr (kPersistent) {
       return params.tiles == nullptr ? Dense::next_tile(params.dense, tile) : snake_next_tile(tile);

@@ -51,13 +51,14 @@ using namespace cute;
 //    64    2     128      128  non-causal <= 1k tokens, causal <= 2k (no pingpong)
 //   128    2     128      128  non-causal and causal <= 2k (non-causal: no pingpong)
 //   256    2     128       64  non-causal <= 512, causal <= 1k (causal: no pingpong)
+// (dense causal calls keep them longer: kDenseCausalShortMaxSeqlen).
 // docs/kernels.md lists every built kernel with these values resolved.
 
 // kShortSeq: a second kernel for short sequences, picked at launch when both seqlen_q
 // and seqlen_k are at most kShortSeqMaxSeqlen (launch_fwd.h). A short tile is a few
 // microseconds of math, so the next tile's loads should overlap it: these kernels are
-// persistent (causal ones with the snake order of scheduler.h, which balances tiles of
-// unequal length) and stage O for a TMA store. Their tiles also fit short problems:
+// persistent (causal ones in a balancing order of scheduler.h: the snake, or pairs of
+// equal work) and stage O for a TMA store. Their tiles also fit short problems:
 // - hdim 64: 128 rows, not 192. Three warpgroups suit long sequences (softmax-bound), but
 //   a 192-row tile wastes a third of its rows on a 512-token problem's last tile and,
 //   when causal, much of the diagonal.
@@ -83,6 +84,16 @@ constexpr int short_seq_max_seqlen() {
 }
 template <int kHeadDim, bool kIsCausal>
 constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
+// Dense causal calls keep the persistent short tile up to these lengths: since its tiles
+// walk a balancing order chosen per shape (scheduler.h, scheduler_tail.h), it is ahead
+// of one CTA per tile there too (H100 A/B, two passes, paper grid): hdim 128 +2..+8% at
+// 3k-12k tokens and +1% at 16k; hdim 256 (64-key tiles against 80) +2..+9% at 2k-12k,
+// level at 8k and 16k; hdim 64 (two warpgroups of 128 rows against three of 192) +2%
+// at 3k and +4% at 4k, but 5-11% slower from 6k. Not measured past 16k, nor for packed
+// batches (which keep kShortSeqMaxSeqlen) or the local mask.
+template <int kHeadDim>
+constexpr int kDenseCausalShortMaxSeqlen =
+    kHeadDim == 64 ? 4096 : kHeadDim == 128 || kHeadDim == 256 ? 16384 : kShortSeqMaxSeqlen<kHeadDim, true>;
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 // The local mask (windows, softcap, sinks) also runs on the causal short tile at hdim 64

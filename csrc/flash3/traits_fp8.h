@@ -42,7 +42,7 @@ using namespace cute;
 // (scripts/check_sass.py, KNOWN_FP8_SPILLS); the spill-free 96-key tile was 4-21% slower.
 // kPersistentOverride (false: the default grid, persistent for non-causal kernels at
 // hdim <= 128 and one CTA per tile otherwise; true: persistent). The persistent causal
-// kernels walk the tiles in a snake (scheduler.h); dispatch_fp8.cu runs them below a
+// kernels walk the tiles in a balancing order (scheduler.h); dispatch_fp8.cu runs them below a
 // seqlen_k bound. At hdim 256 the non-causal kernel runs one CTA per tile by default,
 // and the persistent one serves up to 4k keys: the next
 // tile's Q and first K/V then load under the current tile's last GEMMs and epilogue
