@@ -93,5 +93,7 @@ int main() {
               kShortSeqMaxSeqlen<192, true>);
   std::printf("shortmax hdim=256 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<256, false>,
               kShortSeqMaxSeqlen<256, true>);
+  std::printf("shortmax dense causal hdim=64 %d hdim=128 %d hdim=256 %d\n", kDenseCausalShortMaxSeqlen<64>,
+              kDenseCausalShortMaxSeqlen<128>, kDenseCausalShortMaxSeqlen<256>);
   return 0;
 }
