@@ -105,6 +105,15 @@ def test_many_tiles_per_cta(seed, d, causal, seqlens):
     _check_against_reference(q, k, v, causal, out, lse)
 
 
+def _check_each_batch_alone(q, k, v, out, lse):
+    """Each batch run alone (another grid, another tile order) gives the same rows, bit for bit."""
+    for b in range(q.shape[0]):
+        out_b, lse_b = _run(q[b : b + 1], k[b : b + 1], v[b : b + 1], True)
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
+            f"batch {b}: the tile order changed the output"
+        )
+
+
 # The persistent causal short-sequence kernels take their last rounds of tiles from a
 # table dealt out on the host, longest first to the least loaded CTAs (scheduler_tail.h).
 # 8 x 16 heads of 1000 rows are 1024 query tiles of 128 rows, 7.8 rounds of 132 CTAs: the
@@ -122,11 +131,7 @@ def test_tail_balanced_tile_schedule(seed, d, seqlens):
     q, k, v = _make_qkv(seed, 8, sq, sk, 16, 16, d, torch.bfloat16)
     out, lse = _run(q, k, v, True)
     _check_against_reference(q, k, v, True, out, lse)
-    for b in range(q.shape[0]):
-        out_b, lse_b = _run(q[b : b + 1], k[b : b + 1], v[b : b + 1], True)
-        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
-            f"batch {b}: the tile order changed the output"
-        )
+    _check_each_batch_alone(q, k, v, out, lse)
 
 
 # The persistent causal kernels walk their tiles in the snake or in pairs of equal work
@@ -146,11 +151,7 @@ def test_balanced_tile_orders(seed, d, shape):
     q, k, v = _make_qkv(seed, 2, s, s, h, h, d, torch.bfloat16)
     out, lse = _run(q, k, v, True)
     _check_against_reference(q, k, v, True, out, lse)
-    for b in range(q.shape[0]):
-        out_b, lse_b = _run(q[b : b + 1], k[b : b + 1], v[b : b + 1], True)
-        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b), (
-            f"batch {b}: the tile order changed the output"
-        )
+    _check_each_batch_alone(q, k, v, out, lse)
 
 
 # The kernels take each row's max on the scores' bits as integers (utils.h row_max_bits),

@@ -1,34 +1,8 @@
 """The mask policies' tile arithmetic (csrc/flash3/mask.h) against brute force, on the
 host: tests/cpp/mask_policy_check.cu, compiled with nvcc (no GPU needed)."""
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from host_check import needs_nvcc, run_host_check
 
 
-def _cutlass_include():
-    try:
-        import cutlass_library
-    except ImportError:
-        return None
-    path = Path(cutlass_library.__file__).parent / "source" / "include"
-    return path if path.is_dir() else None
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_mask_policy_tile_ranges(tmp_path):
-    include = _cutlass_include()
-    if include is None:
-        pytest.skip("needs the CUTLASS headers (nvidia-cutlass)")
-    exe = tmp_path / "mask_policy_check"
-    subprocess.run(
-        ["nvcc", "-std=c++17", "-O1", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{include}",
-         str(ROOT / "tests" / "cpp" / "mask_policy_check.cu"), "-o", str(exe)],
-        check=True, capture_output=True, text=True,
-    )
-    result = subprocess.run([str(exe), "1500"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("ok"), result.stdout
+    run_host_check("mask_policy_check.cu", tmp_path, "1500")
