@@ -42,7 +42,14 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
-    int const max_seqlen = Mask::kIsCausal && !params.is_varlen() ? kDenseCausalShortMaxSeqlen<kHeadDim> : kMaxSeqlen;
+    // Dense causal calls: the longer range where the grid has at least two short tiles per
+    // SM (traits.h kDenseCausalShortMaxSeqlen).
+    constexpr int kShortBlockM = KernelTraits<Element, kHeadDim, Mask::kIsCausal, true, kHeadDimV>::kBlockM;
+    bool const dense_causal_range =
+        Mask::kIsCausal && !params.is_varlen() &&
+        int64_t((params.seqlen_q + kShortBlockM - 1) / kShortBlockM) * params.nheads * params.batch >=
+            2 * int64_t(params.num_sms);
+    int const max_seqlen = dense_causal_range ? kDenseCausalShortMaxSeqlen<kHeadDim> : kMaxSeqlen;
     // Each side of a window is at most the longest sequence (api.cpp clamps it).
     FwdVariantLengths const lengths =
         Mask::kIsLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,

@@ -89,8 +89,11 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 // of one CTA per tile there too (H100 A/B, two passes, paper grid): hdim 128 +2..+8% at
 // 3k-12k tokens and +1% at 16k; hdim 256 (64-key tiles against 80) +2..+9% at 2k-12k,
 // level at 8k and 16k; hdim 64 (two warpgroups of 128 rows against three of 192) +2%
-// at 3k and +4% at 4k, but 5-11% slower from 6k. Not measured past 16k, nor for packed
-// batches (which keep kShortSeqMaxSeqlen) or the local mask.
+// at 3k and +4% at 4k, but 5-11% slower from 6k. Only where the grid has at least two
+// short tiles per SM (launch_fwd.h): with fewer, a CTA has no next tile to overlap, and
+// at hdim 256 the general tile is the faster one (2 x 8 heads x 1243 tokens, 160 tiles:
+// 0.90x, H100). Not measured past 16k, nor for packed batches (which keep
+// kShortSeqMaxSeqlen) or the local mask.
 template <int kHeadDim>
 constexpr int kDenseCausalShortMaxSeqlen =
     kHeadDim == 64 ? 4096 : kHeadDim == 128 || kHeadDim == 256 ? 16384 : kShortSeqMaxSeqlen<kHeadDim, true>;
