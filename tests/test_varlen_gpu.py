@@ -149,6 +149,21 @@ def test_forward_many_sequences(batch, causal):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_long_causal_mix(d):
+    """Causal sequences of up to 9000 tokens with at least two query tiles per SM: the
+    lengths at which the persistent short tile serves dense causal calls (traits.h)."""
+    dtype = torch.bfloat16
+    _skip_unless_built("fwd", dtype, d, True)
+    lens = [4096, 1, 129, 3001, 77, 2500] if d == 64 else [9000, 1, 129, 3001, 77, 5000]
+    h = 8 if d == 64 else 4
+    q, k, v, cu_q, cu_k = _packed(31 + d, lens, lens, h, h // 2, d, dtype)
+    out, lse, poisoned = _poisoned_run(
+        lambda: flash3.attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=True, return_lse=True),
+        q.shape, dtype, (q.shape[1], q.shape[0]))
+    _check_packed(q, k, v, cu_q, cu_k, lens, lens, out, lse, True, poisoned)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_seqused(d, causal):
     """seqused shorter than the slot: the rest of the slot is neither read nor written."""
@@ -292,6 +307,23 @@ def test_dense_and_varlen_agree_bitwise(d, causal):
     grads_v = torch.autograd.grad(out_v, (q, k, v), dout.flatten(0, 1))
     for gd, gv in zip(grads_d, grads_v):
         assert torch.equal(gd, gv)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dense_and_varlen_agree_bitwise_long_causal(d):
+    """Equal causal lengths with enough query tiles for the persistent short tile's longer
+    ranges (traits.h kDenseCausalShortMaxSeqlen): the same kernel tiles in the same order."""
+    dtype = torch.bfloat16
+    _skip_unless_built("fwd", dtype, d, True)
+    b, s, h = 2, 3000, 8
+    g = torch.Generator(device="cuda").manual_seed(d + 1)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    cu = _cu([s] * b)
+    out_d, lse_d = flash3.attention(q, k, v, causal=True, return_lse=True)
+    out_v, lse_v = flash3.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, s, s,
+                                           causal=True, return_lse=True)
+    assert torch.equal(out_d.flatten(0, 1), out_v)
+    assert torch.equal(lse_d.transpose(0, 1).flatten(1, 2), lse_v)
 
 
 def test_compile_fullgraph_and_opcheck():

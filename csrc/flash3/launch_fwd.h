@@ -32,6 +32,22 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
                             : launch_fwd_tiles<Element, kHeadDim, Mask, kShortSeq, false, kHeadDimV>(params, stream);
 }
 
+// Whether a causal call keeps the persistent short tile over the longer range
+// (traits.h kDenseCausalShortMaxSeqlen): where its grid has at least two tiles per SM,
+// for dense batches, and for packed batches of self-attention (no split-KV parts, pages
+// or packed query heads) where the persistent kernel keeps the dense order, its grid over the
+// longest sequence holding no more tiles than the table's bound (equal or near-equal
+// lengths; scheduler_packed.h uses_table). On long-tailed mixes the persistent walk over
+// the table ran 8-22% below one CTA per entry, so they keep kShortSeqMaxSeqlen.
+inline bool causal_long_range(FwdParams const& params, int block_m) {
+  int64_t const tiles = int64_t((params.seqlen_q + block_m - 1) / block_m) * params.nheads * params.batch;
+  if (tiles < 2 * int64_t(params.num_sms)) { return false; }
+  if (!params.is_varlen()) { return true; }
+  bool const self_attention = !params.split_keys && params.page_table == nullptr && params.rows_per_query == 1 &&
+                              params.seqlen_q == params.seqlen_k;
+  return self_attention && tiles <= packed_tile_bound(params.total_q, params.batch, params.nheads, block_m);
+}
+
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
 // both lengths (for packed batches, the longest sequence's) are short enough, or, for the
 // local mask, its window spans few enough keys (traits.h); the general one otherwise. The
@@ -42,14 +58,10 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
-    // Dense causal calls: the longer range where the grid has at least two short tiles per
-    // SM (traits.h kDenseCausalShortMaxSeqlen).
     constexpr int kShortBlockM = KernelTraits<Element, kHeadDim, Mask::kIsCausal, true, kHeadDimV>::kBlockM;
-    bool const dense_causal_range =
-        Mask::kIsCausal && !params.is_varlen() &&
-        int64_t((params.seqlen_q + kShortBlockM - 1) / kShortBlockM) * params.nheads * params.batch >=
-            2 * int64_t(params.num_sms);
-    int const max_seqlen = dense_causal_range ? kDenseCausalShortMaxSeqlen<kHeadDim> : kMaxSeqlen;
+    int const max_seqlen = Mask::kIsCausal && causal_long_range(params, kShortBlockM)
+                               ? kDenseCausalShortMaxSeqlen<kHeadDim>
+                               : kMaxSeqlen;
     // Each side of a window is at most the longest sequence (api.cpp clamps it).
     FwdVariantLengths const lengths =
         Mask::kIsLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,

@@ -92,8 +92,10 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 // at 3k and +4% at 4k, but 5-11% slower from 6k. Only where the grid has at least two
 // short tiles per SM (launch_fwd.h): with fewer, a CTA has no next tile to overlap, and
 // at hdim 256 the general tile is the faster one (2 x 8 heads x 1243 tokens, 160 tiles:
-// 0.90x, H100). Not measured past 16k, nor for packed batches (which keep
-// kShortSeqMaxSeqlen) or the local mask.
+// 0.90x, H100). Packed batches of (near-)equal lengths, which the persistent kernel walks
+// in the dense order, keep them too (launch_fwd.h causal_long_range; H100, two passes:
+// hdim 128 +2..+9% at 3k-12k, -3% at 16k; hdim 256 +1..+8%; hdim 64 +1..+3% at 3k-4k);
+// long-tailed mixes keep kShortSeqMaxSeqlen. Not measured past 16k, nor for the local mask.
 template <int kHeadDim>
 constexpr int kDenseCausalShortMaxSeqlen =
     kHeadDim == 64 ? 4096 : kHeadDim == 128 || kHeadDim == 256 ? 16384 : kShortSeqMaxSeqlen<kHeadDim, true>;
