@@ -277,7 +277,7 @@ def grid_mix(impl, hdims, causals, total=65536, seed=0):
 
 
 def markdown(data):
-    lines = ["# Variable-length batches (bf16, H200, CUDA-graph timing)", ""]
+    lines = [f"# Variable-length batches (bf16, {data['device']}, CUDA-graph timing)", ""]
     lines += [f"FlashAttention-3: {data['fa3']}", ""]
     if data.get("mix"):
         lines += [f"## Mixed lengths: {data['mix_sequences']} sequences, 32-16384 tokens (log-uniform, seed 0), "
