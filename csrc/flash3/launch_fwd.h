@@ -35,17 +35,18 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
 // Whether a causal call keeps the persistent short tile over the longer range
 // (traits.h kDenseCausalShortMaxSeqlen): where its grid has at least two tiles per SM,
 // for dense batches, and for packed batches of self-attention (no split-KV parts, pages
-// or packed query heads) where the persistent kernel keeps the dense order, its grid over the
-// longest sequence holding no more tiles than the table's bound (equal or near-equal
-// lengths; scheduler_packed.h uses_table). On long-tailed mixes the persistent walk over
-// the table ran 8-22% below one CTA per entry, so they keep kShortSeqMaxSeqlen.
+// or packed query heads) where the persistent kernel keeps the dense order: its grid
+// over the longest sequence holds no more tiles than the table's bound (equal or
+// near-equal lengths; scheduler_packed.h packed_grid_exceeds_bound). On long-tailed
+// mixes the persistent walk over the table ran 8-22% below one CTA per entry, so they
+// keep kShortSeqMaxSeqlen.
 inline bool causal_long_range(FwdParams const& params, int block_m) {
   int64_t const tiles = int64_t((params.seqlen_q + block_m - 1) / block_m) * params.nheads * params.batch;
   if (tiles < 2 * int64_t(params.num_sms)) { return false; }
   if (!params.is_varlen()) { return true; }
   bool const self_attention = !params.split_keys && params.page_table == nullptr && params.rows_per_query == 1 &&
                               params.seqlen_q == params.seqlen_k;
-  return self_attention && tiles <= packed_tile_bound(params.total_q, params.batch, params.nheads, block_m);
+  return self_attention && !packed_grid_exceeds_bound(params, block_m);
 }
 
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and

@@ -78,6 +78,13 @@ inline int packed_tile_entries(FwdParams const& p, int block_rows) {
   return int(bound < p.packed_tiles_capacity ? bound : p.packed_tiles_capacity);
 }
 
+// Whether a persistent kernel's grid over the longest sequence (block_rows-row tiles) holds
+// more tiles than the host's bound: then it walks the table, else the dense order (below).
+inline bool packed_grid_exceeds_bound(FwdParams const& p, int block_rows) {
+  int64_t const longest = (p.seqlen_q + block_rows - 1) / block_rows;
+  return longest * p.batch * p.nheads > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
+}
+
 // Block of an entry past the real tiles: past every sequence's rows (times any block of
 // at most 512 rows, still an int).
 constexpr int kPackedPastRows = 1 << 21;
@@ -128,11 +135,10 @@ struct PackedTileScheduler {
 
   static bool uses_table(FwdParams const& p, int block_rows) {
     if (p.packed_tiles == nullptr) { return false; }
-    int64_t const longest = (p.seqlen_q + block_rows - 1) / block_rows;
     if constexpr (kPersistent) {
-      return longest * p.batch * p.nheads > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
+      return packed_grid_exceeds_bound(p, block_rows);
     } else {
-      return longest > 1;
+      return p.seqlen_q > block_rows;  // more than one tile in the longest sequence
     }
   }
 
