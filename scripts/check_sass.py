@@ -60,21 +60,16 @@ KNOWN_BWD_SPILLS = {(64, False): 2}
 # 0, its persistent short-sequence kernel 4.
 KNOWN_FP8_SPILLS = {(256, True): 13, (256, False): 4}
 # The forward kernels for packed (variable-length) batches, (head dim, causal, short tile)
-# -> the most LDL + STL: they read each tile's sequence extent at run time, and the
-# persistent hdim 256 short non-causal kernel and the hdim 64 non-causal kernel (three
-# consumer warpgroups at 160 registers), whose dense twins use every register, keep a few
-# values in local memory: 9 + 7 and 18 + 16 instructions (CUDA 13.0), of which 4 in the
-# hdim 64 kernel's key loop and the rest before and after it (the tile table's entry and
-# the dense scheduler beside it, scheduler_packed.h, added 1 and 8 outside the loop and
-# took one out of it). The hdim 256 one had 3 + 2 before the V-tail zeroing of seqused_k
-# sequences (mainloop_fwd.h zero_v_tail; 27 with it inlined).
-KNOWN_VARLEN_SPILLS = {(256, False, True): 16, (64, False, False): 34}
+# -> the most LDL + STL. None: they read each tile's sequence extent at run time, and
+# until the masks divided rows by rows_per_query without a branch (mask.h RowsPerQuery)
+# the persistent hdim 256 short non-causal kernel and the hdim 64 non-causal kernel kept
+# 16 and 34 values' loads and stores in local memory; a new spill there fails the check.
+KNOWN_VARLEN_SPILLS: dict = {}
 # The local-mask kernels (mask.h LocalMask: windows, softcap, sinks), (kind, head dim) ->
 # the most LDL + STL: the hdim 64 backward (128-row query tiles, at the register limit)
-# keeps a few values in local memory for softcap's dS factor (0 without that code): 7 + 7;
-# the hdim 256 forward for packed batches a few (3 + 3; 3 + 1 before its mask took the
-# offset and rows per query of split-KV parts, mask.h; the dense one has none).
-KNOWN_LOCAL_SPILLS = {("bwd", 64): 16, ("fwd", 256): 6}
+# keeps a few values in local memory for softcap's dS factor (0 without that code): 7 + 7.
+# (The hdim 256 forward for packed batches kept 3 + 3 until the branch-free division.)
+KNOWN_LOCAL_SPILLS = {("bwd", 64): 16}
 
 
 def is_local(name: str) -> bool:

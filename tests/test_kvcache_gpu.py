@@ -260,6 +260,25 @@ def test_options(seed, page_size, sq, case):
                  softcap=opts.get("softcap", 0.0), sinks=opts.get("sinks"))
 
 
+@pytest.mark.parametrize("h, hk", [(6, 2), (5, 1), (14, 2)])  # 3, 5 and 7 query heads per K/V head
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("sq, window", [(1, (-1, -1)), (4, (-1, 0)), (3, (70, 0))])
+def test_query_head_groups_not_powers_of_two(seed, h, hk, page_size, sq, window):
+    """GQA packing with groups that are not powers of two: the masks divide each packed row
+    by the group (csrc/flash3/mask.h RowsPerQuery), causal and windowed rows included."""
+    d = 128
+    _skip_unless_built(d, "none" if window == (-1, -1) else "local")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = [700, 1, 129, 0]
+    batch, capacity = len(lengths), 768
+    cache = Cache(gen, batch, capacity, hk, d, lengths, page_size)
+    q = torch.randn(batch, sq, h, d, device="cuda", dtype=DT, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash3.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, page_table=cache.page_table,
+                                             window_size=window, return_lse=True)
+    _check_batch(q, cache, lengths, out, lse, window=window)
+
+
 @pytest.mark.parametrize("page_size", [None, 128])
 def test_packed_queries(seed, page_size):
     """Chunked prefill: packed queries of different lengths, causal, against a cache."""

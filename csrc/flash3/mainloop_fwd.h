@@ -97,7 +97,7 @@ struct MainloopFwd {
   struct Params : Loads, Options, Pages, Scales {
     SeqLayout seqs;  // seqlen.h: each tile's sequence
     int head_group;  // nheads / nheads_k: query heads per K/V head
-    int rows_per_query;  // packed batches: query rows per query position (params.h)
+    RowsPerQuery rows_per_query;  // packed batches: query rows per query position (params.h, mask.h)
     // From the scores the softmax sees (q.k, or under softcap tanh(...)) to logits, in
     // natural-log and log2 units (params.h logit_scale).
     float softmax_scale;
@@ -111,7 +111,7 @@ struct MainloopFwd {
             Scales::make(p),
             p.seq_layout(),
             p.nheads / p.nheads_k,
-            p.rows_per_query,
+            RowsPerQuery::of(p.rows_per_query),
             p.logit_scale(),
             p.logit_scale_log2()};
   }
@@ -123,7 +123,7 @@ struct MainloopFwd {
       window_right = params.window_right;
     }
     if constexpr (kVarlen) {  // GQA-packed rows and split-KV parts (mask.h)
-      int const queries = params.rows_per_query == 1 ? seq.seqlen_q : seq.seqlen_q / params.rows_per_query;
+      int const queries = params.rows_per_query.divide(seq.seqlen_q);
       return {seq.seqlen_q, seq.seqlen_k, window_left, window_right, seq.seqlen_k + seq.keys_after - queries,
               params.rows_per_query};
     } else {

@@ -14,6 +14,11 @@
 // heads that share a K/V head, packed as rows), and the offset may count keys past
 // those the sequence reads (a part of a longer key range aligns its mask to the range's
 // end). By default (one row per query, offset = seqlen_k - seqlen_q) they change nothing.
+// A row's query is a division by rows_per_query, done as a multiply-high, an add and a
+// shift (RowsPerQuery): packed kernels, which read rows_per_query at run time, then have
+// no branch and no division in their masks (a branch around a division on every key
+// tile cost the packed causal forward time against the dense one, which folds the
+// default of one row per query away).
 //
 // Tile (m_block, n_block) is visited iff some row of the query tile sees some key of the
 // key tile; the forward walks the key tiles of a query tile ([n_block_begin, n_block_end))
@@ -51,6 +56,29 @@ struct LocalMask {
 template <class Mask>
 constexpr bool kVariableKeys = Mask::kIsCausal || Mask::kIsLocal;
 
+// Division of a row index (0 <= row < 2^31) by rows_per_query, fixed per call: with
+// l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, row / d = (mulhi(row, m) + row)
+// >> l (the round-up method of Granlund and Montgomery; the add cannot overflow for rows
+// below 2^31). d = 1 gives m = 1, l = 0: the row itself, which the compiler folds where
+// the divisor is the default.
+struct RowsPerQuery {
+  uint32_t multiplier = 1;
+  uint32_t shift = 0;
+
+  static RowsPerQuery of(int d) {
+    uint32_t l = 0;
+    while ((uint64_t(1) << l) < uint64_t(d)) { ++l; }
+    uint64_t const m = ((uint64_t(1) << 32) * ((uint64_t(1) << l) - uint64_t(d))) / uint64_t(d) + 1;
+    return {uint32_t(m), l};
+  }
+
+  CUTLASS_HOST_DEVICE int divide(int row) const {
+    uint32_t const r = uint32_t(row);
+    uint32_t const high = uint32_t((uint64_t(r) * multiplier) >> 32);
+    return int((high + r) >> shift);
+  }
+};
+
 template <class Mask, int kBlockM, int kBlockN>
 struct MaskPolicy {
   int seqlen_q;  // query rows
@@ -60,12 +88,12 @@ struct MaskPolicy {
   int window_right = 0;
   // Key j is visible to query i up to i + offset (causal; local: + window_right).
   int offset = seqlen_k - seqlen_q;
-  int rows_per_query = 1;
+  RowsPerQuery rows_per_query{};
 
   CUTLASS_HOST_DEVICE static int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
   // The query of a tile row (rows past seqlen_q map past the last query).
-  CUTLASS_HOST_DEVICE int query(int row) const { return rows_per_query == 1 ? row : row / rows_per_query; }
+  CUTLASS_HOST_DEVICE int query(int row) const { return rows_per_query.divide(row); }
 
   // Key tiles [n_block_begin, n_block_end) hold every key some row of query tile m_block can see.
   CUTLASS_HOST_DEVICE int n_block_begin(int m_block) const {

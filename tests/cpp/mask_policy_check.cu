@@ -57,7 +57,7 @@ int failures = 0;
 template <class Mask, int kBlockM, int kBlockN>
 void check(Problem const& p) {
   flash3::MaskPolicy<Mask, kBlockM, kBlockN> const policy{p.seqlen_q, p.seqlen_k, p.left, p.right, p.offset(),
-                                                          p.group};
+                                                          flash3::RowsPerQuery::of(p.group)};
   int const m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   int const n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   for (int m = 0; m < m_blocks; ++m) {
@@ -99,12 +99,36 @@ void check(Problem const& p) {
   }
 }
 
+// The rows' division by rows_per_query (mask.h RowsPerQuery) against the integer division:
+// every divisor up to 1024 over the rows a tile can have, then random rows up to 2^31 - 1
+// and large divisors.
+void check_rows_per_query(std::mt19937& rng) {
+  std::uniform_int_distribution<int> any_row(0, 0x7fffffff);
+  auto check_one = [&](int d, int row) {
+    Problem const p{};
+    int const got = flash3::RowsPerQuery::of(d).divide(row);
+    EXPECT(got == row / d, "RowsPerQuery::of(%d).divide(%d) = %d, not %d", d, row, got, row / d);
+  };
+  for (int d = 1; d <= 1024; ++d) {
+    for (int row = 0; row < 4 * 1024; ++row) { check_one(d, row); }
+    for (int i = 0; i < 64; ++i) { check_one(d, any_row(rng)); }
+    check_one(d, 0x7fffffff);
+  }
+  for (int d : {4095, 65536, 1000003, (1 << 30) + 7, 0x7fffffff}) {
+    for (int i = 0; i < 4096; ++i) { check_one(d, any_row(rng)); }
+    check_one(d, 0x7fffffff);
+    check_one(d, d - 1);
+    check_one(d, d);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int const cases = argc > 1 ? std::atoi(argv[1]) : 3000;
   std::mt19937 rng(1234);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  check_rows_per_query(rng);
   for (int c = 0; c < cases; ++c) {
     Problem p;
     p.seqlen_q = uniform(1, 400);
