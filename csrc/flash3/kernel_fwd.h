@@ -39,14 +39,15 @@ struct FlashFwdKernel {
                                       EpilogueFwd<Traits, ElementOut>>;
   // Equal-length tiles (no mask) are walked by a persistent grid where registers allow;
   // causal tiles of unequal length are left to the hardware's dynamic assignment, except
-  // in the persistent causal kernels, whose grid walks them in a static balancing order
-  // (the snake, or pairs where the host's model finds the snake unbalanced) with its last
-  // rounds dealt out on the host (scheduler.h, scheduler_tail.h, traits.h; the deal
-  // measured +1.2..+2.4% at 512-2k tokens, docs/performance.md).
+  // in the persistent causal and local-mask kernels, whose grid walks them in a static
+  // balancing order (the snake, or pairs where the host's model finds the snake
+  // unbalanced) with its last rounds dealt out on the host, the model counting each
+  // tile's keys under the call's window (scheduler.h, scheduler_tail.h, traits.h; the
+  // deal measured +1.2..+2.4% at 512-2k tokens, causal, docs/performance.md).
   // Packed batches of unequal lengths walk a table of their real tiles, written on the
   // device (scheduler_packed.h).
   static_assert(Traits::kBlockM >= kPackedMinBlockRows, "the binding sizes the packed-batch tile table by it");
-  static constexpr bool kTailBalanced = Traits::kPersistent && Mask::kIsCausal;
+  static constexpr bool kTailBalanced = Traits::kPersistent && kVariableKeys<Mask>;
   using DenseScheduler = std::conditional_t<kTailBalanced, TailBalancedScheduler,
                                             TileScheduler</*kPersistent=*/Traits::kPersistent,
                                                           /*kLongestFirst=*/kVariableKeys<Mask>>>;
@@ -105,8 +106,15 @@ struct FlashFwdKernel {
     int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     typename DenseScheduler::Params dense;
     if constexpr (kTailBalanced) {
+      // The keys each query tile walks: causal's, or the local mask's window (clamped to the
+      // lengths by the binding).
+      int left = p.seqlen_k, right = 0;
+      if constexpr (Mask::kIsLocal) {
+        left = p.window_left;
+        right = p.window_right;
+      }
       dense = DenseScheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms, p.seqlen_q, p.seqlen_k,
-                                        Traits::kBlockM, Traits::kBlockN);
+                                        Traits::kBlockM, Traits::kBlockN, left, right);
     } else {
       dense = DenseScheduler::to_params(num_m_blocks, p.nheads, p.batch, p.num_sms);
     }

@@ -49,9 +49,24 @@ inline bool causal_long_range(FwdParams const& params, int block_m) {
   return self_attention && !packed_grid_exceeds_bound(params, block_m);
 }
 
+// Whether each query tile walks the keys of the causal mask: the causal mask, or a local
+// mask (softcap or sinks with causal) whose window reaches back to every key and ends at
+// the diagonal (the binding clamps an unbounded side to the longest sequence).
+template <class Mask>
+bool walks_causal_keys(FwdParams const& params) {
+  if constexpr (Mask::kIsCausal) {
+    return true;
+  } else if constexpr (Mask::kIsLocal) {
+    return params.window_right == 0 && params.window_left >= params.seqlen_k;
+  } else {
+    return false;
+  }
+}
+
 // The kernel for (element, head dim, mask): the short-sequence tile where one exists and
-// both lengths (for packed batches, the longest sequence's) are short enough, or, for the
-// local mask, its window spans few enough keys (traits.h); the general one otherwise. The
+// both lengths (for packed batches, the longest sequence's) are short enough (for causal
+// key ranges, causal_long_range's), or, for the local mask, its window spans few enough
+// keys (traits.h); the general one otherwise. The
 // choice is variant_fwd.h's, as for the FP8 kernels' variants (dispatch_fp8.cu).
 template <class Element, int kHeadDim, class Mask, int kHeadDimV>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
@@ -59,8 +74,8 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
-    constexpr int kShortBlockM = KernelTraits<Element, kHeadDim, Mask::kIsCausal, true, kHeadDimV>::kBlockM;
-    int const max_seqlen = Mask::kIsCausal && causal_long_range(params, kShortBlockM)
+    constexpr int kShortBlockM = KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, true, kHeadDimV>::kBlockM;
+    int const max_seqlen = walks_causal_keys<Mask>(params) && causal_long_range(params, kShortBlockM)
                                ? kDenseCausalShortMaxSeqlen<kHeadDim>
                                : kMaxSeqlen;
     // Each side of a window is at most the longest sequence (api.cpp clamps it).

@@ -63,7 +63,7 @@ CUTLASS_HOST_DEVICE int section_size(int tiles_per_head, int num_sms, int num_bh
 // the long and the short tiles of a couple of heads in one round; a section starts the
 // longest tiles of all its heads in the first round and fills in with the short ones.
 //
-// kPersistent with kLongestFirst (the persistent causal kernels, traits.h): a static
+// kPersistent with kLongestFirst (the persistent causal and local kernels, traits.h): a static
 // order that balances tiles of unequal length, with no tile index through shared memory
 // (each warp computes its own sequence), one of two chosen per problem shape on the host
 // (scheduler_tail.h):

@@ -1,4 +1,4 @@
-// The tile schedule of the persistent causal forward kernels: one of scheduler.h's two
+// The tile schedule of the persistent causal and local-mask forward kernels: one of scheduler.h's two
 // balancing orders (the snake or pairs) for all but the last rounds, and the tiles of
 // those last rounds dealt out on the host, longest first, each to the CTA with the least
 // work so far (a greedy longest-processing-time schedule), passed to the kernel as a
@@ -41,13 +41,19 @@ struct TailBalancedScheduler {
     int16_t tail[kMaxCtas][kMaxTailTiles];
   };
 
-  // The key tiles query tile m_block of a causal problem walks (mask.h MaskPolicy::
-  // n_block_end, on the host), plus a share for the tile's fixed costs (its first S, last
-  // O += P V and epilogue run with nothing to overlap): the host's model of a tile's time.
-  static double tile_cost(int m_block, int seqlen_q, int seqlen_k, int block_m, int block_n) {
-    int const last_key = std::min((m_block + 1) * block_m + seqlen_k - seqlen_q, seqlen_k);
-    int const n_end = std::min((seqlen_k + block_n - 1) / block_n, (std::max(last_key, 0) + block_n - 1) / block_n);
-    return n_end > 0 ? n_end + 0.5 : 0.1;
+  // The key tiles query tile m_block walks under a window of `left` keys before each row's
+  // diagonal and `right` after it (mask.h MaskPolicy's local ranges, on the host; causal
+  // is (seqlen_k, 0), which gives its n_block_end), plus a share for the tile's fixed
+  // costs (its first S, last O += P V and epilogue run with nothing to overlap): the
+  // host's model of a tile's time.
+  static double tile_cost(int m_block, int seqlen_q, int seqlen_k, int block_m, int block_n, int left, int right) {
+    int const n_blocks = (seqlen_k + block_n - 1) / block_n;
+    int const offset = seqlen_k - seqlen_q;
+    int const last_key = std::min((m_block + 1) * block_m, seqlen_q) - 1 + offset + right;
+    int const n_end = last_key < 0 ? 0 : std::min(n_blocks, last_key / block_n + 1);
+    int const first_key = m_block * block_m + offset - left;
+    int const n_begin = first_key >= seqlen_k ? n_blocks : std::max(first_key, 0) / block_n;
+    return n_end > n_begin ? n_end - n_begin + 0.5 : 0.1;
   }
 
   // Tile t's query tile (Order::coord, on the host): each head's tiles longest first
@@ -57,15 +63,16 @@ struct TailBalancedScheduler {
     return p.num_m_blocks - 1 - (p.per_round == 2 ? paired_rank(pos, p.num_m_blocks) : pos);
   }
 
-  // The table for one problem shape; the last shape's is kept, since a model runs the
-  // same shape over and over.
+  // The table for one problem shape and window (left, right: tile_cost; causal by
+  // default); the last one's is kept, since a model runs the same shape over and over.
   static Params to_params(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k,
-                          int block_m, int block_n) {
+                          int block_m, int block_n, int left = -1, int right = 0) {
+    if (left < 0) { left = seqlen_k; }
     static thread_local std::vector<int> cached_key;
     static thread_local Params cached;
-    std::vector<int> const key{num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n};
+    std::vector<int> const key{num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, left, right};
     if (key != cached_key) {
-      cached = schedule(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n);
+      cached = schedule(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, left, right);
       cached_key = key;
     }
     return cached;
@@ -74,21 +81,21 @@ struct TailBalancedScheduler {
   // The snake, or pairs where the tiles outnumber the SMs and their modelled makespan is
   // shorter by kPairsMargin.
   static Params schedule(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k, int block_m,
-                         int block_n) {
+                         int block_n, int left, int right) {
     double snake_makespan = 0.0;
-    Params const snake =
-        deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, 1, &snake_makespan);
+    Params const snake = deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, left, right,
+                              1, &snake_makespan);
     if (int64_t(num_m_blocks) * nheads * batch <= num_sms) { return snake; }
     double pairs_makespan = 0.0;
-    Params const pairs =
-        deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, 2, &pairs_makespan);
+    Params const pairs = deal(num_m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k, block_m, block_n, left, right,
+                              2, &pairs_makespan);
     return pairs_makespan < (1.0 - kPairsMargin) * snake_makespan ? pairs : snake;
   }
 
   // One order (per_round: 1, the snake; 2, pairs) with its last rounds dealt out, and its
   // modelled makespan.
   static Params deal(int num_m_blocks, int nheads, int batch, int num_sms, int seqlen_q, int seqlen_k, int block_m,
-                     int block_n, int per_round, double* makespan) {
+                     int block_n, int left, int right, int per_round, double* makespan) {
     Params p;
     static_cast<Order::Params&>(p) = Order::to_params(num_m_blocks, nheads, batch, num_sms, per_round);
     p.tail_begin = p.num_tiles;
@@ -98,7 +105,7 @@ struct TailBalancedScheduler {
     int const ctas = int(Order::grid(p, num_sms).x);
     std::vector<double> cost(p.num_tiles);
     for (int t = 0; t < p.num_tiles; ++t) {
-      cost[t] = tile_cost(m_block_of(p, t), seqlen_q, seqlen_k, block_m, block_n);
+      cost[t] = tile_cost(m_block_of(p, t), seqlen_q, seqlen_k, block_m, block_n, left, right);
     }
     // The CTA of tile t (scheduler.h TileScheduler::next_tile).
     auto cta_of = [&](int t) {

@@ -95,7 +95,9 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 // 0.90x, H100). Packed batches of (near-)equal lengths, which the persistent kernel walks
 // in the dense order, keep them too (launch_fwd.h causal_long_range; H100, two passes:
 // hdim 128 +2..+9% at 3k-12k, -3% at 16k; hdim 256 +1..+8%; hdim 64 +1..+3% at 3k-4k);
-// long-tailed mixes keep kShortSeqMaxSeqlen. Not measured past 16k, nor for the local mask.
+// long-tailed mixes keep kShortSeqMaxSeqlen. The local mask's causal windows (softcap or
+// sinks with causal: launch_fwd.h walks_causal_keys) take the same ranges at hdim 64 and
+// 128, on its short tile with the dealt tail modelled on the window. Not measured past 16k.
 template <int kHeadDim>
 constexpr int kDenseCausalShortMaxSeqlen =
     kHeadDim == 64 ? 4096 : kHeadDim == 128 || kHeadDim == 256 ? 16384 : kShortSeqMaxSeqlen<kHeadDim, true>;

@@ -5,6 +5,7 @@
 // host picks pairs where its model finds the snake unbalanced. Built and run by
 // tests/test_tile_order.py; prints "ok" and the number of cases, or the first failure.
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <random>
 #include <vector>
@@ -71,6 +72,11 @@ int main(int argc, char** argv) {
                                                     block_n);
     paired += p.per_round == 2;
     if (!covers_once<TailBalancedScheduler>(p, num_sms, "dealt order")) { return 1; }
+    // The local mask's kernels deal their tails by the keys under their window.
+    int const left = uniform(0, 1) ? seqlen_k : uniform(0, 2 * block_n), right = uniform(0, 1) ? 0 : uniform(0, 300);
+    auto const windowed = TailBalancedScheduler::to_params(m_blocks, nheads, batch, num_sms, seqlen_q, seqlen_k,
+                                                           block_m, block_n, left, right);
+    if (!covers_once<TailBalancedScheduler>(windowed, num_sms, "dealt order, windowed")) { return 1; }
     for (int per_round = 1; per_round <= 2; ++per_round) {
       if (per_round == 2 && m_blocks * nheads * batch <= num_sms) { continue; }
       auto const order = Snake::to_params(m_blocks, nheads, batch, num_sms, per_round);
@@ -89,6 +95,14 @@ int main(int argc, char** argv) {
     std::printf("FAIL choice: 1243 x 16 per_round %d (want 2), 2100 x 80 per_round %d tail_begin %d of %d (want 1, "
                 "a dealt tail), 1000 x 16 per_round %d (want 1)\n",
                 uneven.per_round, even.per_round, even.tail_begin, even.num_tiles, few.per_round);
+    return 1;
+  }
+  // A causal window, (seqlen_k, 0), is the causal model: the same choice and deal.
+  auto const causal_window = TailBalancedScheduler::to_params(17, 40, 2, 132, 2100, 2100, 128, 128, 2100, 0);
+  auto const causal_plain = TailBalancedScheduler::to_params(17, 40, 2, 132, 2100, 2100, 128, 128);
+  if (causal_window.per_round != causal_plain.per_round || causal_window.tail_begin != causal_plain.tail_begin ||
+      std::memcmp(causal_window.tail, causal_plain.tail, sizeof(causal_plain.tail)) != 0) {
+    std::printf("FAIL the window (2100, 0) on 2100 rows schedules unlike causal\n");
     return 1;
   }
   std::printf("ok %d shapes (%d in pairs)\n", checked, paired);
