@@ -32,6 +32,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash3/params.h"
 
@@ -80,6 +81,15 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
 template <>
 __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
+
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+template <class T2>
+__device__ __forceinline__ T2 from_float2(float2 x);
+template <>
+__device__ __forceinline__ __nv_bfloat162 from_float2(float2 x) { return __float22bfloat162_rn(x); }
+template <>
+__device__ __forceinline__ __half2 from_float2(float2 x) { return __float22half2_rn(x); }
 
 // One CTA per (batch, row, K/V head), kCombineWarps warps: the splits are shared out
 // among the warps (split s to warp s % kCombineWarps), each lane a column strip of the
@@ -149,6 +159,73 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (threadIdx.x == 0) { lse[(int64_t(b) * nheads + h) * seqlen_q + t] = total; }
 }
 
+// With at most kCombineWarps splits (decoding at batch 32 and more runs one), a warp per
+// (batch, row, K/V head) instead: the CTA kernel's warps past the split count idle and its
+// three barriers set the pace, 16k CTAs of 256 threads taking ~99 us for a 4 MB output
+// (H200, batch 128, 4 queries x 4 query heads per K/V head, 8 K/V heads, one split). Each
+// lane holds two adjacent columns of every 64, in float32, over the splits in order.
+constexpr int kCombineRowsPerCta = 4;
+
+template <class T>
+__global__ void __launch_bounds__(kCombineRowsPerCta * 32)
+    kvcache_combine_rows_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
+                                float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse,
+                                int batch, int splits, int rows, int nheads_k, int headdim, int group) {
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  // (batch * rows * nheads_k < 2^31: the launch checks it.)
+  int const row = int(blockIdx.x) * kCombineRowsPerCta + int(threadIdx.x) / 32;
+  if (row >= batch * rows * nheads_k) { return; }
+  int const lane = threadIdx.x % 32;
+  int const kvh = row % nheads_k;
+  int const r = (row / nheads_k) % rows;
+  int const b = row / (nheads_k * rows);
+  int const t = r / group, h = kvh * group + r % group;
+  int const seqlen_q = rows / group, nheads = nheads_k * group;
+  float const* lse_s = lse_partial + (int64_t(kvh) * batch + b) * splits * rows + r;
+  float m = -INFINITY;
+  for (int s = lane; s < splits; s += 32) { m = fmaxf(m, lse_s[int64_t(s) * rows]); }
+  for (int offset = 16; offset > 0; offset /= 2) { m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset)); }
+  float const sink = sinks != nullptr ? sinks[h] : -INFINITY;
+  float const top = fmaxf(m, sink);
+  float sum = 0.f;
+  if (top != -INFINITY) {
+    for (int s = lane; s < splits; s += 32) { sum += expf(lse_s[int64_t(s) * rows] - top); }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffffu, sum, offset); }
+  float total = -INFINITY;
+  if (top != -INFINITY) { total = top + logf(sum + (sink != -INFINITY ? expf(sink - top) : 0.f)); }
+  constexpr int kMaxPairs = 256 / 64;  // column pairs per lane at the largest head dim
+  float2 acc[kMaxPairs];
+  #pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) { acc[i] = make_float2(0.f, 0.f); }
+  if (total != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      float const l = lse_s[int64_t(s) * rows];
+      float const w = l == -INFINITY ? 0.f : expf(l - total);
+      T2 const* src = reinterpret_cast<T2 const*>(
+          out_partial + (((int64_t(b) * splits + s) * rows + r) * nheads_k + kvh) * headdim);
+      #pragma unroll
+      for (int i = 0; i < kMaxPairs; ++i) {
+        int const c2 = lane + 32 * i;  // column pair: columns 2 * c2, 2 * c2 + 1
+        if (2 * c2 < headdim && w != 0.f) {
+          float2 const x = to_float2(src[c2]);
+          acc[i].x += w * x.x;
+          acc[i].y += w * x.y;
+        }
+      }
+    }
+  }
+  T2* dst = reinterpret_cast<T2*>(out + ((int64_t(b) * seqlen_q + t) * nheads + h) * headdim);
+  #pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) {
+    int const c2 = lane + 32 * i;
+    if (2 * c2 < headdim) {
+      dst[c2] = from_float2<T2>(acc[i]);
+    }
+  }
+  if (lane == 0) { lse[(int64_t(b) * nheads + h) * seqlen_q + t] = total; }
+}
+
 std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std::optional<at::Tensor> const& page_table,
                                                   int64_t page_size, int64_t per_batch, int64_t window_left,
                                                   int64_t splits, int64_t align, int64_t fixed_size,
@@ -193,8 +270,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
                   lse_partial.dim() == 4 && lse_partial.size(0) == nheads_k && lse_partial.size(1) == batch &&
                   lse_partial.size(2) == splits && lse_partial.size(3) == rows,
               "flash3: kvcache_combine: lse_partial must be contiguous float32 (nheads_k, batch, splits, rows)");
-  TORCH_CHECK(group >= 1 && rows % group == 0 && headdim <= 256,
-              "flash3: kvcache_combine: group ", group, " must divide rows ", rows, "; headdim ", headdim, " <= 256");
+  TORCH_CHECK(group >= 1 && rows % group == 0 && headdim <= 256 && headdim % 2 == 0,
+              "flash3: kvcache_combine: group ", group, " must divide rows ", rows, "; headdim ", headdim,
+              " even and <= 256");
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->is_cuda() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                     sinks->numel() == nheads_k * group,
@@ -210,6 +288,22 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
   int const threads = kCombineWarps * 32;
   float const* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (splits <= kCombineWarps) {
+    int64_t const ctas = (blocks + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
+    if (out_partial.scalar_type() == at::kBFloat16) {
+      kvcache_combine_rows_kernel<__nv_bfloat16><<<int(ctas), kCombineRowsPerCta * 32, 0, stream>>>(
+          reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
+          reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits),
+          int(rows), int(nheads_k), int(headdim), int(group));
+    } else {
+      kvcache_combine_rows_kernel<__half><<<int(ctas), kCombineRowsPerCta * 32, 0, stream>>>(
+          reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
+          reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
+          int(nheads_k), int(headdim), int(group));
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+  }
   if (out_partial.scalar_type() == at::kBFloat16) {
     kvcache_combine_kernel<__nv_bfloat16><<<int(blocks), threads, 0, stream>>>(
         reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
