@@ -165,8 +165,9 @@ def main():
     data["prefill"] = prefill_rows(impl, gen)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "h200-kvcache.json").write_text(json.dumps(data, indent=1))
-    (out / "h200-kvcache.md").write_text(markdown(data))
+    card = "h200" if "H200" in data["gpu"] else "h100" if "H100" in data["gpu"] else "gpu"
+    (out / f"{card}-kvcache.json").write_text(json.dumps(data, indent=1))
+    (out / f"{card}-kvcache.md").write_text(markdown(data))
     print(markdown(data))
 
 
