@@ -108,8 +108,8 @@ def run(impl, hdims, seqlens, configs):
 
 
 def markdown(data):
-    lines = ["# Windows, softcap, sinks (bf16, H200, causal, 32k tokens, hidden 2048; CUDA-graph timing)", "",
-             f"FlashAttention-3: {data['fa3']}", "",
+    lines = ["# Windows, softcap, sinks (bf16, causal, hidden 2048; CUDA-graph timing)", "",
+             f"GPU: {data['device']}. FlashAttention-3: {data['fa3']}.", "",
              "| hdim | seqlen | config | fwd flash3 | fwd FA3 | flash3/FA3 | fwd flash3 causal | "
              "bwd flash3 | bwd FA3 | flash3/FA3 | bwd flash3 causal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -128,7 +128,7 @@ def markdown(data):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", type=Path, default=SCRIPT_DIR / "results")
-    ap.add_argument("--tag", default="h200-masks")
+    ap.add_argument("--tag", default=None, help="file name (default: h100-masks / h200-masks after the GPU)")
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384,32768")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -137,7 +137,8 @@ def main(argv=None):
     data = results_header(impl)
     data["rows"] = run(impl, [int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")],
                        args.configs.split(","))
-    write_results(args.out_dir, args.tag, data, markdown(data))
+    card = "h200" if "H200" in data["device"] else "h100" if "H100" in data["device"] else "gpu"
+    write_results(args.out_dir, args.tag or f"{card}-masks", data, markdown(data))
     return 0
 
 
