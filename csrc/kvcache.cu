@@ -1,8 +1,8 @@
 // The KV-cache call's bookkeeping around the packed-batch forward kernels
 // (flash3/kvcache.py): where each split of each sequence's keys lies in the cache, and the
 // merge of the splits' partial results. One small kernel each, so that a decode step is
-// four launches (query packing, splits, attention, merge) rather than dozens of
-// elementwise operations.
+// three launches (the splits' layout with the packed queries, attention, merge) rather
+// than dozens of elementwise operations.
 //
 // kvcache_splits: sequence b's keys [lo, seqlens[b]) (lo: where a left window starts for
 // its first query, seqlens[b] - seqlen_q - window_left) are cut into `splits` parts; part
@@ -15,6 +15,10 @@
 // (splits = max_pages), its keys [j, j + 1) * page_size within [lo, seqlens[b]), at row
 // page_table[b][j] * per_batch (the rows from one page to the next) + their offset in
 // the page.
+//
+// kvcache_pack: the same layout for a split-KV call, with the queries packed for it (GQA
+// packing: query head kvh * group + g at position t is row t * group + g of K/V head kvh,
+// once per split) and each part's query offset, in the same launch.
 //
 // kvcache_combine: out_partial (batch, splits, rows, nheads_k, d) and lse_partial
 // (nheads_k, batch, splits, rows), rows = seqlen_q * group (query head kvh * group + i at
@@ -30,6 +34,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -39,13 +44,11 @@
 namespace flash3 {
 namespace {
 
-__global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const* __restrict__ page_table,
-                                      int page_size, int batch, int64_t per_batch, int window_left, int splits,
-                                      int align, int fixed_size, int total_rows, int seqlen_q, bool split_keys,
-                                      int* __restrict__ cu_k, int* __restrict__ used) {
-  int const i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i == 0) { cu_k[batch * splits] = total_rows; }
-  if (i >= batch * splits) { return; }
+// Part i = b * splits + j of the key ranges (the header's layout): its first row and length.
+__device__ __forceinline__ void kvcache_split(int const* __restrict__ seqlens, int const* __restrict__ page_table,
+                                              int page_size, int64_t per_batch, int window_left, int splits,
+                                              int align, int fixed_size, int seqlen_q, bool split_keys, int i,
+                                              int* __restrict__ cu_k, int* __restrict__ used) {
   int const b = i / splits, j = i % splits;
   int const len = seqlens[b];
   int lo = window_left >= 0 ? max(0, len - seqlen_q - window_left) : 0;
@@ -67,6 +70,50 @@ __global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const
   cu_k[i] = int(b * per_batch + lo + start);
   int64_t const rest = max(int64_t(span) - start, int64_t(0));
   used[i] = int(split_keys ? rest : min(rest, int64_t(size)));
+}
+
+__global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const* __restrict__ page_table,
+                                      int page_size, int batch, int64_t per_batch, int window_left, int splits,
+                                      int align, int fixed_size, int total_rows, int seqlen_q, bool split_keys,
+                                      int* __restrict__ cu_k, int* __restrict__ used) {
+  int const i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) { cu_k[batch * splits] = total_rows; }
+  if (i >= batch * splits) { return; }
+  kvcache_split(seqlens, page_table, page_size, per_batch, window_left, splits, align, fixed_size, seqlen_q, split_keys,
+                i, cu_k, used);
+}
+
+// kvcache_pack: the splits' layout as kvcache_splits_kernel writes it, their query offsets
+// (cu_q[i] = i * rows), and the queries packed for them, in one launch: q_rows[(b * splits
+// + j) * rows + t * group + g][kvh] = q[b][t][kvh * group + g] for every split j, in
+// vectors of Vec (the head dim and q's strides, in Vec units, divide evenly).
+template <class Vec>
+__global__ void kvcache_pack_kernel(int const* __restrict__ seqlens, int batch, int64_t per_batch, int window_left,
+                                    int splits, int align, int fixed_size, int total_rows, int seqlen_q,
+                                    bool split_keys, int* __restrict__ cu_k, int* __restrict__ used,
+                                    int* __restrict__ cu_q, Vec const* __restrict__ q, int64_t stride_b,
+                                    int64_t stride_t, int64_t stride_h, Vec* __restrict__ q_rows, int nheads_k,
+                                    int group, int vecs_per_head, int64_t total_vecs) {
+  int64_t const i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int const parts = batch * splits;
+  int const rows = seqlen_q * group;
+  if (i <= parts) { cu_q[i] = int(i) * rows; }
+  if (i == 0) { cu_k[parts] = total_rows; }
+  if (i < parts) {
+    kvcache_split(seqlens, nullptr, 0, per_batch, window_left, splits, align, fixed_size, seqlen_q, split_keys, int(i),
+                  cu_k, used);
+  }
+  for (int64_t o = i; o < total_vecs; o += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rest = o;
+    int const v = int(rest % vecs_per_head);
+    rest /= vecs_per_head;
+    int const kvh = int(rest % nheads_k);
+    rest /= nheads_k;
+    int const r = int(rest % rows);
+    int const b = int(rest / rows / splits);
+    int const t = r / group, h = kvh * group + r % group;
+    q_rows[o] = q[b * stride_b + t * stride_t + h * stride_h + v];
+  }
 }
 
 template <class T>
@@ -258,6 +305,60 @@ std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std
   return {cu_k, used};
 }
 
+// The query side of a split-KV call (flash3/kvcache.py _attend_packed) and the splits'
+// layout: q (batch, seqlen_q, nheads_k * group, d) with a contiguous head dim.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvcache_pack(
+    at::Tensor const& q, at::Tensor const& seqlens, int64_t per_batch, int64_t window_left, int64_t splits,
+    int64_t align, int64_t fixed_size, int64_t total_rows, int64_t group, bool split_keys) {
+  TORCH_CHECK(seqlens.is_cuda() && seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.is_contiguous(),
+              "flash3: kvcache_pack: seqlens must be a contiguous int32 CUDA tensor (batch,)");
+  TORCH_CHECK(q.is_cuda() && q.device() == seqlens.device() && q.dim() == 4 && q.stride(3) == 1 &&
+                  q.size(0) == seqlens.size(0),
+              "flash3: kvcache_pack: q must be a CUDA tensor (batch, seqlen_q, nheads, headdim) on seqlens' device, "
+              "head dim contiguous, batch ", seqlens.size(0));
+  TORCH_CHECK(splits >= 1 && align >= 1 && fixed_size >= 0 && per_batch >= 0 && total_rows >= 0 &&
+                  total_rows < (int64_t(1) << 31) && group >= 1 && q.size(2) % group == 0,
+              "flash3: kvcache_pack: splits ", splits, ", align ", align, ", fixed_size ", fixed_size,
+              ", per_batch ", per_batch, ", total_rows ", total_rows, ", group ", group, " (nheads ", q.size(2),
+              ") out of range");
+  int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
+  int64_t const nheads_k = nheads / group, rows = seqlen_q * group, parts = batch * splits;
+  TORCH_CHECK(parts * std::max<int64_t>(rows, 1) < (int64_t(1) << 31), "flash3: kvcache_pack: ", parts,
+              " parts of ", rows, " rows exceed int32");
+  c10::cuda::CUDAGuard const guard(seqlens.device());
+  auto const ints = seqlens.options();
+  at::Tensor cu_k = at::empty({parts + 1}, ints);
+  at::Tensor used = at::empty({parts}, ints);
+  at::Tensor cu_q = at::empty({parts + 1}, ints);
+  at::Tensor q_rows = at::empty({parts * rows, nheads_k, headdim}, q.options());
+  int64_t const elem = q.element_size();
+  // 16-byte vectors where the head dim, q's strides and its address allow, else elements.
+  bool const wide = (headdim * elem) % 16 == 0 && (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
+                    (q.stride(2) * elem) % 16 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0;
+  int64_t const unit = wide ? 16 / elem : 1;
+  int64_t const total_vecs = parts * rows * nheads_k * (headdim / unit);
+  constexpr int kThreads = 256;
+  int64_t const blocks = std::min<int64_t>(std::max<int64_t>((std::max(total_vecs, parts + 1) + kThreads - 1) / kThreads, 1),
+                                           int64_t(1) << 20);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  auto launch = [&](auto vec) {
+    using Vec = decltype(vec);
+    kvcache_pack_kernel<Vec><<<int(blocks), kThreads, 0, stream>>>(
+        seqlens.data_ptr<int>(), int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
+        int(total_rows), int(seqlen_q), split_keys, cu_k.data_ptr<int>(), used.data_ptr<int>(), cu_q.data_ptr<int>(),
+        reinterpret_cast<Vec const*>(q.data_ptr()), q.stride(0) / unit, q.stride(1) / unit, q.stride(2) / unit,
+        reinterpret_cast<Vec*>(q_rows.data_ptr()), int(nheads_k), int(group), int(headdim / unit), total_vecs);
+  };
+  if (wide) {
+    launch(uint4{});
+  } else {
+    TORCH_CHECK(elem == 2, "flash3: kvcache_pack: q must be bf16 or fp16");
+    launch(uint16_t{});
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q_rows, cu_q, cu_k, used};
+}
+
 std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial, at::Tensor const& lse_partial,
                                                    std::optional<at::Tensor> const& sinks, int64_t group) {
   TORCH_CHECK(out_partial.is_cuda() && out_partial.dim() == 5 && out_partial.is_contiguous(),
@@ -326,10 +427,14 @@ TORCH_LIBRARY_FRAGMENT(flash3, m) {
   m.def("kvcache_splits(Tensor seqlens, Tensor? page_table, int page_size, int per_batch, int window_left, "
         "int splits, int align, int fixed_size, int total_rows, int seqlen_q=1, bool split_keys=False) "
         "-> (Tensor cu_k, Tensor used)");
+  m.def("kvcache_pack(Tensor q, Tensor seqlens, int per_batch, int window_left, int splits, int align, "
+        "int fixed_size, int total_rows, int group, bool split_keys) -> (Tensor q_rows, Tensor cu_q, Tensor cu_k, "
+        "Tensor used)");
   m.def("kvcache_combine(Tensor out_partial, Tensor lse_partial, Tensor? sinks, int group) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {
   m.impl("kvcache_splits", &flash3::kvcache_splits);
+  m.impl("kvcache_pack", &flash3::kvcache_pack);
   m.impl("kvcache_combine", &flash3::kvcache_combine);
 }

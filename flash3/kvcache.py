@@ -75,6 +75,13 @@ if _C is not None:
         n = seqlens.shape[0] * splits
         return seqlens.new_empty((n + 1,)), seqlens.new_empty((n,))
 
+    @torch.library.register_fake("flash3::kvcache_pack")
+    def _pack_fake(q, seqlens, per_batch, window_left, splits, align, fixed_size, total_rows, group, split_keys):
+        batch, seqlen_q, nheads, headdim = q.shape
+        parts = batch * splits
+        q_rows = q.new_empty((parts * seqlen_q * group, nheads // group, headdim))
+        return q_rows, seqlens.new_empty((parts + 1,)), seqlens.new_empty((parts + 1,)), seqlens.new_empty((parts,))
+
     @torch.library.register_fake("flash3::kvcache_combine")
     def _combine_fake(out_partial, lse_partial, sinks, group):
         batch, _, rows, nheads_k, headdim = out_partial.shape
@@ -347,9 +354,14 @@ def _attend_split(c, q, kv, seqlens, sinks, masked):
     """Sequence b's keys (from a left window's start) cut into parts, run packed."""
     max_keys = _PAGED_SPLIT_KEYS.get(c.headdim) if kv.pages is not None and c.page_size % 128 == 0 else None
     splits, max_split = _choose_splits(c, c.seqlen_q * (c.nheads // c.nheads_k), c.nheads_k, q.device, max_keys)
-    cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, None, 0, kv.per_batch, c.window_left, splits,
-                                                 _SPLIT_ALIGN, c.split_size or 0, kv.total, c.seqlen_q, masked)
-    return _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, masked)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # One launch: the splits' key rows and lengths, their query offsets, and the queries
+    # packed for them (_pack_queries' layout).
+    q_rows, cu_q, cu_k, used = torch.ops.flash3.kvcache_pack(q, seqlens, kv.per_batch, c.window_left, splits,
+                                                             _SPLIT_ALIGN, c.split_size or 0, kv.total,
+                                                             c.nheads // c.nheads_k, masked)
+    return _attend_packed(c, q_rows, cu_q, cu_k, used, kv, splits, max_split, sinks, masked)
 
 
 def _pages_in_place(c, device, page_table):
@@ -372,7 +384,9 @@ def _attend_pages(c, q, k_cache, v_cache, seqlens, page_table, sinks):
     splits = page_table.shape[1]
     cu_k, used = torch.ops.flash3.kvcache_splits(seqlens, page_table.contiguous(), c.page_size, page_rows,
                                                  c.window_left, splits, 1, 0, keys.shape[0], 1, False)
-    return _attend_packed(c, q, CacheRows(keys, values, page_rows), cu_k, used, splits, c.page_size, sinks, False)
+    q_rows, cu_q = _pack_queries(c, q, splits)
+    return _attend_packed(c, q_rows, cu_q, cu_k, used, CacheRows(keys, values, page_rows), splits, c.page_size, sinks,
+                          False)
 
 
 def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
@@ -399,24 +413,30 @@ def _attend_rows(c, q, kv, seqlens, cu_seqlens_q, sinks, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _attend_packed(c, q, kv, cu_k, used, splits, max_split, sinks, masked):
-    """GQA packing and split-KV: split j of sequence b is packed-batch sequence b * splits
-    + j (its keys at cu_k, used). masked: the call's causal mask and window apply, each
-    split aligned to its sequence's end (split_keys); else every row sees the split's
-    keys. Returns (out, lse)."""
+def _pack_queries(c, q, splits):
+    """GQA packing, once per split: query head h = kvh * g + j at position t becomes row
+    t * g + j of K/V head kvh in part b * splits + s. Returns (q_rows, cu_q)."""
+    g = c.nheads // c.nheads_k
+    rows = c.seqlen_q * g
+    qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
+    qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
+    n = c.batch * splits + 1
+    cu_q = (torch.arange(0, n * rows, rows, device=q.device, dtype=torch.int32) if rows > 0  # one launch
+            else torch.zeros(n, device=q.device, dtype=torch.int32))
+    return qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim), cu_q
+
+
+def _attend_packed(c, q_rows, cu_q, cu_k, used, kv, splits, max_split, sinks, masked):
+    """Split-KV over GQA-packed queries (_pack_queries' layout): split j of sequence b is
+    packed-batch sequence b * splits + j, its queries at cu_q and its keys at cu_k, used.
+    masked: the call's causal mask and window apply, each split aligned to its sequence's
+    end (split_keys); else every row sees the split's keys. Returns (out, lse)."""
     g = c.nheads // c.nheads_k
     rows = c.seqlen_q * g
     causal = c.causal and masked
     window = (c.window_left, c.window_right) if masked else (-1, -1)
     mask = _mask_kind(causal, window, c.softcap, None, rows, max(c.capacity, 1))
-    _check_built("fwd", q, causal, mask, _NAME)
-    # Query heads h = kvh * g + j become rows t * g + j of K/V head kvh, once per split.
-    qp = q.reshape(c.batch, c.seqlen_q, c.nheads_k, g, c.headdim).permute(0, 1, 3, 2, 4)
-    qp = qp.reshape(c.batch, 1, rows, c.nheads_k, c.headdim).expand(c.batch, splits, rows, c.nheads_k, c.headdim)
-    q_rows = qp.reshape(c.batch * splits * rows, c.nheads_k, c.headdim)
-    n = c.batch * splits + 1
-    cu_q = (torch.arange(0, n * rows, rows, device=q.device, dtype=torch.int32) if rows > 0  # one launch
-            else torch.zeros(n, device=q.device, dtype=torch.int32))
+    _check_built("fwd", q_rows, causal, mask, _NAME)
     out, lse = torch.ops.flash3.fwd_varlen(
         q_rows, kv.keys, kv.values, cu_q, cu_k, None, used, rows, max_split, c.softmax_scale, causal, False, *window,
         c.softcap, None, *kv.kernel_args(), g, masked)

@@ -1,9 +1,9 @@
 """flash3.attention_with_kvcache's composition, on the CPU: the cache append with rotary
 embedding, the dense and paged key views, GQA packing, the splits' layout and the merge,
 with the compiled ops replaced by PyTorch models of them (a per-sequence float64
-attention for fwd_varlen; kvcache_splits and kvcache_combine as csrc/kvcache.cu defines
-them). Every sequence is checked against flash3.reference.attention_ref on keys built
-here, independently of the cache's layout. The kernels themselves are tested on the GPU
+attention for fwd_varlen; kvcache_splits, kvcache_pack and kvcache_combine as
+csrc/kvcache.cu defines them). Every sequence is checked against
+flash3.reference.attention_ref on keys built here, independently of the cache's layout. The kernels themselves are tested on the GPU
 (test_kvcache_gpu.py).
 """
 import math
@@ -99,6 +99,18 @@ def _kvcache_splits(seqlens, page_table, page_size, per_batch, window_left, spli
     return torch.tensor(cu + [total_rows], dtype=torch.int32), torch.tensor(used, dtype=torch.int32)
 
 
+def _kvcache_pack(q, seqlens, per_batch, window_left, splits, align, fixed_size, total_rows, group, split_keys):
+    batch, sq, nheads, d = q.shape
+    cu_k, used = _kvcache_splits(seqlens, None, 0, per_batch, window_left, splits, align, fixed_size, total_rows, sq,
+                                 split_keys)
+    rows = sq * group
+    packed = q.reshape(batch, sq, nheads // group, group, d).permute(0, 1, 3, 2, 4).reshape(batch, 1, rows,
+                                                                                           nheads // group, d)
+    q_rows = packed.expand(batch, splits, rows, nheads // group, d).reshape(batch * splits * rows, nheads // group, d)
+    cu_q = torch.arange(batch * splits + 1, dtype=torch.int32) * rows
+    return q_rows, cu_q, cu_k, used
+
+
 def _kvcache_combine(out_partial, lse_partial, sinks, group):
     batch, splits, rows, nheads_k, d = out_partial.shape
     lse = lse_partial.permute(1, 2, 3, 0)  # (batch, splits, rows, nheads_k)
@@ -118,7 +130,8 @@ def _kvcache_combine(out_partial, lse_partial, sinks, group):
 @pytest.fixture
 def cpu_ops(monkeypatch):
     ops = types.SimpleNamespace(flash3=types.SimpleNamespace(
-        fwd_varlen=_fwd_varlen, kvcache_splits=_kvcache_splits, kvcache_combine=_kvcache_combine))
+        fwd_varlen=_fwd_varlen, kvcache_splits=_kvcache_splits, kvcache_pack=_kvcache_pack,
+        kvcache_combine=_kvcache_combine))
     monkeypatch.setattr(kvcache.torch, "ops", ops)
     monkeypatch.setattr(kvcache, "SUPPORTED_DTYPES", (DT,))
     monkeypatch.setattr(kvcache, "_check_devices", lambda *args, **kwargs: None)
