@@ -391,3 +391,36 @@ def test_strided_caches(seed, page_size, extra):
     assert torch.equal(got, want)
     _check_batch(q, cache, lengths, got, flash3.attention_with_kvcache(
         q, k_view, v_view, cache_seqlens=seqlens, page_table=cache.page_table, return_lse=True)[1])
+
+
+@pytest.mark.parametrize("layout", ["heads_of_larger", "misaligned", "head_dim_strided"])
+@pytest.mark.parametrize("sq, causal", [(1, False), (3, True)])
+def test_strided_queries(seed, layout, sq, causal):
+    """Queries that are views (the query heads of a larger tensor; an address off 16
+    bytes, packed element by element; a head dim of stride 2) give the contiguous
+    queries' results bit for bit."""
+    d, h, hk = 128, 8, 2
+    _skip_unless_built(d, "causal" if causal else "none")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = [700, 5, 300]
+    cache = Cache(gen, len(lengths), 768, hk, d, lengths, 16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lengths), sq, h, d, device="cuda", dtype=DT, generator=gen)
+    if layout == "heads_of_larger":
+        big = torch.randn(len(lengths), sq, h + 3, d, device="cuda", dtype=DT, generator=gen)
+        big[:, :, 1:h + 1] = q
+        view = big[:, :, 1:h + 1]
+    elif layout == "misaligned":
+        flat = torch.randn(q.numel() + 1, device="cuda", dtype=DT, generator=gen)
+        flat[1:] = q.flatten()
+        view = flat[1:].view(q.shape)
+        assert view.data_ptr() % 16 != 0
+    else:
+        wide = torch.randn(*q.shape[:-1], 2 * d, device="cuda", dtype=DT, generator=gen)
+        wide[..., ::2] = q
+        view = wide[..., ::2]
+    kw = dict(cache_seqlens=seqlens, page_table=cache.page_table, causal=causal, num_splits=3, return_lse=True)
+    want, want_lse = flash3.attention_with_kvcache(q, cache.k, cache.v, **kw)
+    got, got_lse = flash3.attention_with_kvcache(view, cache.k, cache.v, **kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    _check_batch(q, cache, lengths, got, got_lse, causal=causal)
