@@ -409,15 +409,23 @@ struct MainloopFwd {
       }
     }
 
-    auto compute_scores = [&](auto& tSrS, int n_block) {
+    // Softcap (local kernels): on a tile under the mask the tanh comes first (tanh(-inf)
+    // would be -1); elsewhere the softmax takes it inside the row max (softmax.h
+    // update_row_maxes), given tanh_in_max(masked) as the prescale.
+    auto compute_scores = [&](auto& tSrS, int n_block, bool masked) {
       Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-      if constexpr (Mask::kIsLocal) {
-        // Softcap before the mask: tanh(-inf) would be -1.
-        if (params.tanh_prescale != 0.f) { apply_tanh(tSrS_rowcol, params.tanh_prescale); }
+      if (masked) {
+        if constexpr (Mask::kIsLocal) {
+          if (params.tanh_prescale != 0.f) { apply_tanh(tSrS_rowcol, params.tanh_prescale); }
+        }
+        policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block);
       }
-      if (policy.needs_mask(m_block, n_block)) { policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block); }
       return tSrS_rowcol;
     };
+    auto tanh_in_max = [&](bool masked) {
+      if constexpr (Mask::kIsLocal) { return masked ? 0.f : params.tanh_prescale; } else { return 0.f; }
+    };
+    constexpr bool kSoftcap = Mask::kIsLocal;
 
     int n_block = n_end - 1;
     auto tile_scales = scales.tile(n_block);
@@ -437,9 +445,9 @@ struct MainloopFwd {
     // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
     if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
     {
-      Tensor tSrS_rowcol = compute_scores(tSrS, n_block);
       bool const masked = policy.needs_mask(m_block, n_block);
-      softmax.template online_update</*kFirstTile=*/true>(tSrS_rowcol, tile_scales, masked);
+      Tensor tSrS_rowcol = compute_scores(tSrS, n_block, masked);
+      softmax.template online_update</*kFirstTile=*/true, kSoftcap>(tSrS_rowcol, tile_scales, masked, tanh_in_max(masked));
     }
     Tensor rP = OperandP::make(tiled_mma_pv, tSrS);
     Tensor tOrP = OperandP::as_operand_a(rP);
@@ -462,26 +470,30 @@ struct MainloopFwd {
       ++read_k;
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
       if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
-      Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block);
-      bool const masked = policy.needs_mask(m_block, n_block);  // the softmax's row max path
+      bool const masked = policy.needs_mask(m_block, n_block);  // also the softmax's row max path
+      Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked);
+      float const tanh_prescale = tanh_in_max(masked);
       Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
       if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
         // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
         // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
         run_in_own_block(zero, [&] {
-          correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, masked);
+          correction = softmax.template online_update</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, masked,
+                                                                                  tanh_prescale);
         });
       } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
         // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
         // O's rescale then fills the issue slots that the second half's exponentials leave
         // free (they wait on the MUFU pipe).
         run_in_own_block(zero, [&] {
-          softmax.template update_row_maxes</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, correction, masked);
+          softmax.template update_row_maxes</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, correction, masked,
+                                                                             tanh_prescale);
           CUTE_UNROLL
           for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
         });
       } else {
-        correction = softmax.template online_update</*kFirstTile=*/false>(tSrS_rowcol, tile_scales, masked);
+        correction = softmax.template online_update</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, masked,
+                                                                                  tanh_prescale);
       }
       warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
       pipeline_v.consumer_release(read_v);  // UNLOCK V (V^T) stage

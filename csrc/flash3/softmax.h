@@ -36,28 +36,42 @@ struct OnlineSoftmaxSteps {
   // (all its scores negative: rare for real scores) takes the float max for all its rows,
   // and so do tiles under the mask (masked: warp-uniform), where a thread's part is often
   // all -inf. Both give the same bits.
-  template <bool kFirstTile, class TensorS, class TileScales, class TensorCorrection>
-  CUTLASS_DEVICE void update_row_maxes(TensorS const& tSrS_rowcol, TileScales const& scales,
-                                       TensorCorrection& correction, bool masked) {
+  // kSoftcap (the local kernels, which take softcap): tanh_prescale != 0 means S still
+  // holds q.k on this tile; the tanh is then taken inside the row max (thread_tile_tanh_max),
+  // so that ptxas interleaves the MUFU.TANH with the max's FMNMX, rather than issuing the
+  // tanh as a block of its own ahead of it.
+  template <bool kFirstTile, bool kSoftcap = false, class TensorS, class TileScales, class TensorCorrection>
+  CUTLASS_DEVICE void update_row_maxes(TensorS& tSrS_rowcol, TileScales const& scales,
+                                       TensorCorrection& correction, bool masked, float tanh_prescale = 0.f) {
     float thread_max[kRows];
-    if constexpr (kIntRowMax) {
-      bool exact = false;
-      if (!masked) {
-        exact = true;
+    bool tanh_taken = false;
+    if constexpr (kSoftcap) {
+      if (tanh_prescale != 0.f) {
+        tanh_taken = true;
         CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = self().thread_tile_max_int(tSrS_rowcol, mi, scales, exact); }
-        exact = __all_sync(0xffffffffu, exact);
+        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = self().thread_tile_tanh_max(tSrS_rowcol, mi, tanh_prescale); }
       }
-      if (!exact) {
+    }
+    if (!tanh_taken) {
+      if constexpr (kIntRowMax) {
+        bool exact = false;
+        if (!masked) {
+          exact = true;
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = self().thread_tile_max_int(tSrS_rowcol, mi, scales, exact); }
+          exact = __all_sync(0xffffffffu, exact);
+        }
+        if (!exact) {
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            thread_max[mi] = self().template thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scales);
+          }
+        }
+      } else {
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
-          thread_max[mi] = self().template thread_tile_max</*kTree=*/true>(tSrS_rowcol, mi, scales);
+          thread_max[mi] = self().template thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scales);
         }
-      }
-    } else {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        thread_max[mi] = self().template thread_tile_max</*kTree=*/false>(tSrS_rowcol, mi, scales);
       }
     }
     CUTE_UNROLL
@@ -67,12 +81,14 @@ struct OnlineSoftmaxSteps {
   // Updates the running max with tile S (raw scores), turns S into P in place, adds P's
   // row sums, and returns the factor by which each row of the output accumulator must be
   // rescaled.
-  template <bool kFirstTile, class TensorS, class TileScales>
-  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, TileScales const& scales, bool masked) {
+  // kSoftcap, tanh_prescale: as in update_row_maxes.
+  template <bool kFirstTile, bool kSoftcap = false, class TensorS, class TileScales>
+  CUTLASS_DEVICE auto online_update(TensorS& tSrS_rowcol, TileScales const& scales, bool masked,
+                                    float tanh_prescale = 0.f) {
     static_assert(decltype(size<0>(tSrS_rowcol))::value == kRows);
     Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-    if constexpr (kIntRowMax) {
-      update_row_maxes<kFirstTile>(tSrS_rowcol, scales, correction, masked);
+    if (kIntRowMax || (kSoftcap && tanh_prescale != 0.f)) {
+      update_row_maxes<kFirstTile, kSoftcap>(tSrS_rowcol, scales, correction, masked, tanh_prescale);
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) { self().exponentiate_row(tSrS_rowcol, mi, scales, correction(mi)); }
     } else {
@@ -150,6 +166,21 @@ struct OnlineSoftmax : OnlineSoftmaxSteps<OnlineSoftmax<kRows, kLazyRescale, kIn
       for (int ni = 0; ni < kCols; ++ni) { tile_max = fmaxf(tile_max, tSrS_rowcol(mi, ni)); }
       return tile_max;
     }
+  }
+
+  // Softcap: row mi's part of S (q.k) turned into tanh(S * prescale) in place, and this
+  // thread's part of the row's tile max of the result, as a chain from the running max
+  // that takes each tanh as it comes.
+  template <class TensorS>
+  CUTLASS_DEVICE float thread_tile_tanh_max(TensorS& tSrS_rowcol, int mi, float prescale) const {
+    float tile_max = row_max(mi);
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
+      float const t = tanh_approx(tSrS_rowcol(mi, ni) * prescale);
+      tSrS_rowcol(mi, ni) = t;
+      tile_max = fmaxf(tile_max, t);
+    }
+    return tile_max;
   }
 
   // Row mi's running max updated with the thread's part of the tile max; returns the
