@@ -409,114 +409,124 @@ struct MainloopFwd {
       }
     }
 
-    // Softcap (local kernels): on a tile under the mask the tanh comes first (tanh(-inf)
-    // would be -1); elsewhere the softmax takes it inside the row max (softmax.h
-    // update_row_maxes), given tanh_in_max(masked) as the prescale.
-    auto compute_scores = [&](auto& tSrS, int n_block, bool masked) {
-      Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-      if (masked) {
-        if constexpr (Mask::kIsLocal) {
-          if (params.tanh_prescale != 0.f) { apply_tanh(tSrS_rowcol, params.tanh_prescale); }
+    // The key tiles' loop, compiled twice in the local kernels: with softcap's tanh
+    // (kSoftcap) and without it, so that windows and sinks run the loop they ran before
+    // softcap's code joined it (a branch per tile on the option cost them 3-4%, H100).
+    float softcap_prescale = 0.f;  // what multiplies q.k before the tanh; 0: no softcap
+    if constexpr (Mask::kIsLocal) { softcap_prescale = params.tanh_prescale; }
+    auto key_tiles = [&](auto softcap) __attribute__((always_inline)) {
+      constexpr bool kSoftcap = decltype(softcap)::value;
+      // Softcap (local kernels): on a tile under the mask the tanh comes first (tanh(-inf)
+      // would be -1); elsewhere the softmax takes it inside the row max (softmax.h
+      // update_row_maxes), given tanh_in_max(masked) as the prescale.
+      auto compute_scores = [&](auto& tSrS, int n_block, bool masked) {
+        Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+        if (masked) {
+          if constexpr (kSoftcap) { apply_tanh(tSrS_rowcol, softcap_prescale); }
+          policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block);
         }
-        policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block);
-      }
-      return tSrS_rowcol;
-    };
-    auto tanh_in_max = [&](bool masked) {
-      if constexpr (Mask::kIsLocal) { return masked ? 0.f : params.tanh_prescale; } else { return 0.f; }
-    };
-    constexpr bool kSoftcap = Mask::kIsLocal;
+        return tSrS_rowcol;
+      };
+      auto tanh_in_max = [&](bool masked) {
+        if constexpr (kSoftcap) { return masked ? 0.f : softcap_prescale; } else { return 0.f; }
+      };
 
-    int n_block = n_end - 1;
-    auto tile_scales = scales.tile(n_block);
-    barrier_q_full.wait(q_phase);
-    uint32_t const zero = opaque_zero(seq.seqlen_q);  // utils.h run_in_own_block
+      int n_block = n_end - 1;
+      auto tile_scales = scales.tile(n_block);
+      barrier_q_full.wait(q_phase);
+      uint32_t const zero = opaque_zero(seq.seqlen_q);  // utils.h run_in_own_block
 
-    // First key tile: S only.
-    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
-    pipeline_k.consumer_wait(read_k);
-    turns.wait_turn();
-    warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-    turns.template pass_turn</*kFinalIssue=*/false>();
-    warpgroup_wait<0>();
-    // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
-    if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
-    ++read_k;
-    // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
-    if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
-    {
-      bool const masked = policy.needs_mask(m_block, n_block);
-      Tensor tSrS_rowcol = compute_scores(tSrS, n_block, masked);
-      softmax.template online_update</*kFirstTile=*/true, kSoftcap>(tSrS_rowcol, tile_scales, masked, tanh_in_max(masked));
-    }
-    Tensor rP = OperandP::make(tiled_mma_pv, tSrS);
-    Tensor tOrP = OperandP::as_operand_a(rP);
-    OperandP::convert(tSrS, rP);
-    clear(tOrO);
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (--n_block; n_block >= n_begin; --n_block) {
-      tile_scales = scales.tile(n_block);
-      Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+      // First key tile: S only.
+      Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
       pipeline_k.consumer_wait(read_k);
-      pipeline_v.consumer_wait(read_v);
       turns.wait_turn();
-      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
-      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       turns.template pass_turn</*kFinalIssue=*/false>();
-      warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
+      warpgroup_wait<0>();
       // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
       if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
       ++read_k;
       // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
       if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
-      bool const masked = policy.needs_mask(m_block, n_block);  // also the softmax's row max path
-      Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked);
-      float const tanh_prescale = tanh_in_max(masked);
-      Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
-      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
-        // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
-        // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
-        run_in_own_block(zero, [&] {
+      {
+        bool const masked = policy.needs_mask(m_block, n_block);
+        Tensor tSrS_rowcol = compute_scores(tSrS, n_block, masked);
+        softmax.template online_update</*kFirstTile=*/true, kSoftcap>(tSrS_rowcol, tile_scales, masked,
+                                                                       tanh_in_max(masked));
+      }
+      Tensor rP = OperandP::make(tiled_mma_pv, tSrS);
+      Tensor tOrP = OperandP::as_operand_a(rP);
+      OperandP::convert(tSrS, rP);
+      clear(tOrO);
+
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (--n_block; n_block >= n_begin; --n_block) {
+        tile_scales = scales.tile(n_block);
+        Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+        pipeline_k.consumer_wait(read_k);
+        pipeline_v.consumer_wait(read_v);
+        turns.wait_turn();
+        warpgroup_gemm</*kZeroInit=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS_next);
+        warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        turns.template pass_turn</*kFinalIssue=*/false>();
+        warpgroup_wait<1>();  // S(j+1) has landed; O += P(j) V(j) may still run
+        // UNLOCK K stage (the tile's last one: after O's store, where O is staged over it)
+        if (!(Traits::kOInKVStages && n_block == n_begin)) { pipeline_k.consumer_release(read_k); }
+        ++read_k;
+        // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
+        if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
+        bool const masked = policy.needs_mask(m_block, n_block);  // also the softmax's row max path
+        Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked);
+        float const tanh_prescale = tanh_in_max(masked);
+        Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
+        if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {
+          // The softmax of S(j+1) runs while O += P(j) V(j) is in flight: in a block of its
+          // own, or ptxas hoists the wait below above it (utils.h run_in_own_block).
+          run_in_own_block(zero, [&] {
+            correction = softmax.template online_update</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, masked,
+                                                                                    tanh_prescale);
+          });
+        } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
+          // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
+          // O's rescale then fills the issue slots that the second half's exponentials leave
+          // free (they wait on the MUFU pipe).
+          run_in_own_block(zero, [&] {
+            softmax.template update_row_maxes</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, correction, masked,
+                                                                               tanh_prescale);
+            CUTE_UNROLL
+            for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
+          });
+        } else {
           correction = softmax.template online_update</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, masked,
-                                                                                  tanh_prescale);
-        });
-      } else if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
-        // The row max and the first half of the rows' exponentials run under O += P(j) V(j);
-        // O's rescale then fills the issue slots that the second half's exponentials leave
-        // free (they wait on the MUFU pipe).
-        run_in_own_block(zero, [&] {
-          softmax.template update_row_maxes</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, correction, masked,
-                                                                             tanh_prescale);
+                                                                                    tanh_prescale);
+        }
+        warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
+        pipeline_v.consumer_release(read_v);  // UNLOCK V (V^T) stage
+        ++read_v;
+        softmax.rescale_if_needed(tOrO_rowcol, correction);
+        if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
           CUTE_UNROLL
-          for (int mi = 0; mi < kRows / 2; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
-        });
-      } else {
-        correction = softmax.template online_update</*kFirstTile=*/false, kSoftcap>(tSrS_rowcol, tile_scales, masked,
-                                                                                  tanh_prescale);
+          for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
+        }
+        OperandP::convert(tSrS_next, rP);
       }
-      warpgroup_wait<0>();  // O += P(j) V(j) done: P(j)'s registers and the V stage are free
-      pipeline_v.consumer_release(read_v);  // UNLOCK V (V^T) stage
+
+      // Last key tile: O += P V only.
+      pipeline_v.consumer_wait(read_v);
+      turns.wait_turn();
+      warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      turns.template pass_turn</*kFinalIssue=*/true>();
+      warpgroup_wait<0>();
+      // UNLOCK V (V^T) stage (where O is staged over it: after O's store, by the kernel)
+      if constexpr (!Traits::kOInKVStages) { pipeline_v.consumer_release(read_v); }
       ++read_v;
-      softmax.rescale_if_needed(tOrO_rowcol, correction);
-      if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kHalf) {
-        CUTE_UNROLL
-        for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
-      }
-      OperandP::convert(tSrS_next, rP);
+
+      return finalize();
+    };
+    if constexpr (Mask::kIsLocal) {
+      if (softcap_prescale != 0.f) { return key_tiles(cute::true_type{}); }
     }
-
-    // Last key tile: O += P V only.
-    pipeline_v.consumer_wait(read_v);
-    turns.wait_turn();
-    warpgroup_gemm</*kZeroInit=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    turns.template pass_turn</*kFinalIssue=*/true>();
-    warpgroup_wait<0>();
-    // UNLOCK V (V^T) stage (where O is staged over it: after O's store, by the kernel)
-    if constexpr (!Traits::kOInKVStages) { pipeline_v.consumer_release(read_v); }
-    ++read_v;
-
-    return finalize();
+    return key_tiles(cute::false_type{});
   }
 };
 
