@@ -16,7 +16,6 @@
 #include "barriers.h"
 #include "dq_writer_bwd.h"
 #include "epilogue_bwd.h"
-#include "grid_dependency.h"
 #include "mainloop_bwd.h"
 #include "mainloop_bwd_lockstep.h"
 #include "mainloop_bwd_split_keys.h"
@@ -112,9 +111,6 @@ struct FlashBwdKernel {
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
-    // The sequence lengths and the preprocess kernel's dPsum are read below (grid_dependency.h).
-    wait_for_prior_grids();
-    allow_dependent_grids();
     TileCoord const tile = tile_of(params);
     int const n_block = tile.n_block, head = tile.head;
     SeqLayout const& seqs = params.mainloop.seqs;

@@ -15,7 +15,6 @@
 
 #include "barriers.h"
 #include "epilogue_fwd.h"
-#include "grid_dependency.h"
 #include "mainloop_fwd.h"
 #include "scheduler.h"
 #include "scheduler_packed.h"
@@ -167,6 +166,11 @@ struct FlashFwdKernel {
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
 
+    if constexpr (kVarlen) {
+      if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
+        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile(params.scheduler));
+      }
+    }
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       CUTLASS_PRAGMA_UNROLL
@@ -180,16 +184,6 @@ struct FlashFwdKernel {
     }
 
     Pipelines pipelines(storage.pipelines, role == WarpGroupRole::Producer, warp_idx == 0 && lane_predicate);
-
-    // Up to here nothing touched global memory; what the previous kernel wrote (a packed
-    // batch's tile table, packed queries) is read from here on (grid_dependency.h).
-    wait_for_prior_grids();
-    allow_dependent_grids();
-    if constexpr (kVarlen) {
-      if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
-        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile(params.scheduler));
-      }
-    }
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();

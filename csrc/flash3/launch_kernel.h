@@ -1,11 +1,8 @@
-// The launch every main kernel shares: opt in to its dynamic shared memory, launch after
-// the previous kernel on the stream (grid_dependency.h: the kernels wait for it before
-// they touch global memory), and return the launch status.
+// The launch every main kernel shares: opt in to its dynamic shared memory, launch, and
+// return the launch status. Host code, free of torch.
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include "grid_dependency.h"
 
 namespace flash3 {
 
@@ -17,7 +14,8 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, dim3 block, int 
   // function and per device, cheap enough to set on every launch.
   cudaError_t const err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  return launch_after_prior_grid(kernel, grid, block, smem_bytes, stream, params);
+  kernel<<<grid, block, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
 }
 
 }  // namespace flash3

@@ -16,7 +16,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "grid_dependency.h"
 #include "params.h"
 #include "seqlen.h"
 
@@ -35,8 +34,6 @@ CUTLASS_HOST_DEVICE constexpr int prepost_lanes_per_row(int headdim) {
 
 template <class Element>
 __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdParams const params) {
-  wait_for_prior_grids();  // O and dO may come from the kernel before (grid_dependency.h)
-  allow_dependent_grids();
   constexpr int kVec = 16 / sizeof(Element);
   int const lanes_per_row = prepost_lanes_per_row(params.headdim_v);
   int const rows_per_block = kPrepostThreads / lanes_per_row;
@@ -94,8 +91,6 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess_kernel(BwdPara
 // 16k tokens x 2048 hidden, over a quarter of a 512-token backward).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kernel(BwdParams const params) {
-  wait_for_prior_grids();  // dQ's workspace is the main kernel's (grid_dependency.h)
-  allow_dependent_grids();
   using Element = typename Traits::Element;
   constexpr int kRows = Traits::kBlockM;
   constexpr int kCols = Traits::kHeadDim;
@@ -153,14 +148,15 @@ cudaError_t run_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
   // Each sequence's rows, padded (seqlen.h; for dense batches, seqlen_q_padded).
   int const rows = (params.seqlen_q + kVarlenRowPad - 1) / kVarlenRowPad * kVarlenRowPad;
   dim3 const grid((rows + rows_per_block - 1) / rows_per_block, params.nheads, params.batch);
-  return launch_after_prior_grid(&bwd_preprocess_kernel<Element>, grid, dim3(kPrepostThreads), 0, stream, params);
+  bwd_preprocess_kernel<Element><<<grid, kPrepostThreads, 0, stream>>>(params);
+  return cudaGetLastError();
 }
 
 template <class Traits>
 cudaError_t run_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
   dim3 const grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads, params.batch);
-  return launch_after_prior_grid(&bwd_postprocess_kernel<Traits>, grid, dim3(Traits::kConsumerThreads), 0, stream,
-                                 params);
+  bwd_postprocess_kernel<Traits><<<grid, Traits::kConsumerThreads, 0, stream>>>(params);
+  return cudaGetLastError();
 }
 
 }  // namespace flash3
