@@ -130,7 +130,8 @@ at::Tensor alloc_packed_tiles(FwdParams& params, at::Tensor const& like) {
       flash3::packed_tile_bound(params.total_q, params.batch, params.nheads, flash3::kPackedMinBlockRows);
   TORCH_CHECK(capacity < (int64_t(1) << 31), "flash3: a packed batch of ", params.total_q, " rows, ", params.batch,
               " sequences and ", params.nheads, " heads has too many query tiles (at most 2^31)");
-  at::Tensor tiles = at::empty({capacity * 8}, like.options().dtype(at::kInt));
+  // One entry more: the persistent kernels' claim counter (packed_tile_counter).
+  at::Tensor tiles = at::empty({(capacity + 1) * 8}, like.options().dtype(at::kInt));
   params.packed_tiles = tiles.data_ptr<int>();
   params.packed_tiles_capacity = static_cast<int>(capacity);
   return tiles;

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash3/grid_dependency.h"
 #include "flash3/params.h"
 
 namespace flash3 {
@@ -76,6 +77,8 @@ __global__ void kvcache_splits_kernel(int const* __restrict__ seqlens, int const
                                       int page_size, int batch, int64_t per_batch, int window_left, int splits,
                                       int align, int fixed_size, int total_rows, int seqlen_q, bool split_keys,
                                       int* __restrict__ cu_k, int* __restrict__ used) {
+  wait_for_prior_grids();  // (grid_dependency.h)
+  allow_dependent_grids();
   int const i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i == 0) { cu_k[batch * splits] = total_rows; }
   if (i >= batch * splits) { return; }
@@ -94,6 +97,8 @@ __global__ void kvcache_pack_kernel(int const* __restrict__ seqlens, int batch, 
                                     int* __restrict__ cu_q, Vec const* __restrict__ q, int64_t stride_b,
                                     int64_t stride_t, int64_t stride_h, Vec* __restrict__ q_rows, int nheads_k,
                                     int group, int vecs_per_head, int64_t total_vecs) {
+  wait_for_prior_grids();  // (grid_dependency.h)
+  allow_dependent_grids();
   int64_t const i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int const parts = batch * splits;
   int const rows = seqlen_q * group;
@@ -149,6 +154,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     kvcache_combine_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
                            float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse, int batch,
                            int splits, int rows, int nheads_k, int headdim, int group) {
+  wait_for_prior_grids();  // (grid_dependency.h)
+  allow_dependent_grids();
   __shared__ float reduce[kCombineWarps];
   __shared__ float partial[kCombineWarps][256];
   int const kvh = blockIdx.x % nheads_k;
@@ -218,6 +225,8 @@ __global__ void __launch_bounds__(kCombineRowsPerCta * 32)
     kvcache_combine_rows_kernel(T const* __restrict__ out_partial, float const* __restrict__ lse_partial,
                                 float const* __restrict__ sinks, T* __restrict__ out, float* __restrict__ lse,
                                 int batch, int splits, int rows, int nheads_k, int headdim, int group) {
+  wait_for_prior_grids();  // (grid_dependency.h)
+  allow_dependent_grids();
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
   // (batch * rows * nheads_k < 2^31: the launch checks it.)
   int const row = int(blockIdx.x) * kCombineRowsPerCta + int(threadIdx.x) / 32;
@@ -297,11 +306,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_splits(at::Tensor const& seqlens, std
   at::Tensor cu_k = at::empty({batch * splits + 1}, seqlens.options());
   at::Tensor used = at::empty({batch * splits}, seqlens.options());
   int const n = int(batch * splits) + 1;
-  kvcache_splits_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
+  C10_CUDA_CHECK(launch_after_prior_grid(
+      &kvcache_splits_kernel, dim3((n + 255) / 256), dim3(256), 0, c10::cuda::getCurrentCUDAStream().stream(),
       seqlens.data_ptr<int>(), page_table.has_value() ? page_table->data_ptr<int>() : nullptr, int(page_size),
       int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
-      int(total_rows), int(seqlen_q), split_keys, cu_k.data_ptr<int>(), used.data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      int(total_rows), int(seqlen_q), split_keys, cu_k.data_ptr<int>(), used.data_ptr<int>()));
   return {cu_k, used};
 }
 
@@ -343,11 +352,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvcache_pack(
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   auto launch = [&](auto vec) {
     using Vec = decltype(vec);
-    kvcache_pack_kernel<Vec><<<int(blocks), kThreads, 0, stream>>>(
+    C10_CUDA_CHECK(launch_after_prior_grid(&kvcache_pack_kernel<Vec>, dim3(unsigned(blocks)), dim3(kThreads), 0, stream,
         seqlens.data_ptr<int>(), int(batch), per_batch, int(window_left), int(splits), int(align), int(fixed_size),
         int(total_rows), int(seqlen_q), split_keys, cu_k.data_ptr<int>(), used.data_ptr<int>(), cu_q.data_ptr<int>(),
         reinterpret_cast<Vec const*>(q.data_ptr()), q.stride(0) / unit, q.stride(1) / unit, q.stride(2) / unit,
-        reinterpret_cast<Vec*>(q_rows.data_ptr()), int(nheads_k), int(group), int(headdim / unit), total_vecs);
+        reinterpret_cast<Vec*>(q_rows.data_ptr()), int(nheads_k), int(group), int(headdim / unit), total_vecs));
   };
   if (wide) {
     launch(uint4{});
@@ -392,29 +401,33 @@ std::tuple<at::Tensor, at::Tensor> kvcache_combine(at::Tensor const& out_partial
   if (splits <= kCombineWarps) {
     int64_t const ctas = (blocks + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
     if (out_partial.scalar_type() == at::kBFloat16) {
-      kvcache_combine_rows_kernel<__nv_bfloat16><<<int(ctas), kCombineRowsPerCta * 32, 0, stream>>>(
+      C10_CUDA_CHECK(launch_after_prior_grid(&kvcache_combine_rows_kernel<__nv_bfloat16>, dim3(unsigned(ctas)),
+                                            dim3(kCombineRowsPerCta * 32), 0, stream,
           reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
           reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits),
-          int(rows), int(nheads_k), int(headdim), int(group));
+          int(rows), int(nheads_k), int(headdim), int(group)));
     } else {
-      kvcache_combine_rows_kernel<__half><<<int(ctas), kCombineRowsPerCta * 32, 0, stream>>>(
+      C10_CUDA_CHECK(launch_after_prior_grid(&kvcache_combine_rows_kernel<__half>, dim3(unsigned(ctas)),
+                                            dim3(kCombineRowsPerCta * 32), 0, stream,
           reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
           reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
-          int(nheads_k), int(headdim), int(group));
+          int(nheads_k), int(headdim), int(group)));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
   }
   if (out_partial.scalar_type() == at::kBFloat16) {
-    kvcache_combine_kernel<__nv_bfloat16><<<int(blocks), threads, 0, stream>>>(
+    C10_CUDA_CHECK(launch_after_prior_grid(&kvcache_combine_kernel<__nv_bfloat16>, dim3(unsigned(blocks)), dim3(threads), 0,
+                                          stream,
         reinterpret_cast<__nv_bfloat16 const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
-        int(nheads_k), int(headdim), int(group));
+        int(nheads_k), int(headdim), int(group)));
   } else {
-    kvcache_combine_kernel<__half><<<int(blocks), threads, 0, stream>>>(
+    C10_CUDA_CHECK(launch_after_prior_grid(&kvcache_combine_kernel<__half>, dim3(unsigned(blocks)), dim3(threads), 0,
+                                          stream,
         reinterpret_cast<__half const*>(out_partial.data_ptr()), lse_partial.data_ptr<float>(), sinks_ptr,
         reinterpret_cast<__half*>(out.data_ptr()), lse.data_ptr<float>(), int(batch), int(splits), int(rows),
-        int(nheads_k), int(headdim), int(group));
+        int(nheads_k), int(headdim), int(group)));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};

@@ -9,6 +9,7 @@
 // sizes; the table is (total / block_rows + batch) * nheads entries of 32 bytes.
 #include <cub/block/block_scan.cuh>
 
+#include "flash3/grid_dependency.h"
 #include "flash3/scheduler_packed.h"
 
 namespace flash3 {
@@ -34,7 +35,10 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
   __shared__ int blocks[kChunk];           // their tiles
   __shared__ int first_entry[kChunk];      // their first entry, from the chunk's first
   __shared__ int chunk_entries;
+  wait_for_prior_grids();  // the lengths may come from the kernel before (grid_dependency.h)
+  allow_dependent_grids();
 
+  if (args.claimed != nullptr && blockIdx.x == 0 && threadIdx.x == 0) { *args.claimed = 0; }
   int const slice_begin = int(blockIdx.x) * kThreads * kEntriesPerThread;
   int const slice_end = min(slice_begin + kThreads * kEntriesPerThread, args.num_entries);
   bool const sorted = args.batch <= kPackedSortedMax;
@@ -123,8 +127,8 @@ __global__ void __launch_bounds__(kThreads) packed_tile_table_kernel(PackedTileA
 cudaError_t launch_packed_tile_table(PackedTileArgs const& args, cudaStream_t stream) {
   if (args.num_entries <= 0) { return cudaSuccess; }
   int const per_cta = kThreads * kEntriesPerThread;
-  packed_tile_table_kernel<<<(args.num_entries + per_cta - 1) / per_cta, kThreads, 0, stream>>>(args);
-  return cudaGetLastError();
+  return launch_after_prior_grid(&packed_tile_table_kernel, dim3((args.num_entries + per_cta - 1) / per_cta),
+                                 dim3(kThreads), 0, stream, args);
 }
 
 }  // namespace flash3

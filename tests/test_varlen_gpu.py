@@ -165,6 +165,38 @@ def test_forward_long_causal_mix(d):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
+def test_forward_short_mix_claimed_tiles(d, causal):
+    """Sequences short enough for the persistent short tiles, with many more query tiles
+    than SMs: each CTA claims its next tile from a counter the table kernel zeroes
+    (scheduler_packed.h). Every tile written once, whichever CTA runs it: the first call,
+    a second one (the counter zeroed again) and a replay in a CUDA graph agree bitwise."""
+    dtype = torch.bfloat16
+    _skip_unless_built("fwd", dtype, d, causal)
+    g = torch.Generator().manual_seed(d + causal)
+    lens = [int(math.exp(x)) for x in (torch.rand(90, generator=g) * math.log(1500 / 20) + math.log(20)).tolist()]
+    lens[3], lens[40] = 0, 1
+    lens_k = [n + (i % 3) * 5 for i, n in enumerate(lens)]  # seqlen_k > seqlen_q in some
+    q, k, v, cu_q, cu_k = _packed(71 + d, lens, lens_k, 8, 2, d, dtype)
+
+    def run():
+        return flash3.attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens_k), causal=causal, return_lse=True)
+
+    out, lse, poisoned = _poisoned_run(run, q.shape, dtype, (q.shape[1], q.shape[0]))
+    _check_packed(q, k, v, cu_q, cu_k, lens, lens_k, out, lse, causal, poisoned)
+    out2, lse2 = run()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out3, lse3 = run()
+    for _ in range(2):
+        out3.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, out3) and torch.equal(lse, lse3)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
 def test_forward_seqused(d, causal):
     """seqused shorter than the slot: the rest of the slot is neither read nor written."""
     dtype = torch.bfloat16

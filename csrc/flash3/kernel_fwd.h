@@ -15,10 +15,12 @@
 
 #include "barriers.h"
 #include "epilogue_fwd.h"
+#include "grid_dependency.h"
 #include "mainloop_fwd.h"
 #include "scheduler.h"
 #include "scheduler_packed.h"
 #include "scheduler_tail.h"
+#include "tile_handoff.h"
 
 namespace flash3 {
 
@@ -53,6 +55,12 @@ struct FlashFwdKernel {
                                                           /*kLongestFirst=*/kVariableKeys<Mask>>>;
   using Scheduler = std::conditional_t<kVarlen, PackedTileScheduler<DenseScheduler, Traits::kPersistent>,
                                        DenseScheduler>;
+  // Where only the producer knows the tiles as it goes (a persistent kernel's walk over a
+  // packed batch's table, claimed entry by entry), it hands each one to the consumers
+  // (tile_handoff.h). Without the table the order is static and each side walks it.
+  static constexpr bool kTileHandoff = kVarlen && Traits::kPersistent;
+  static_assert(!kTileHandoff || !Traits::kTransposeV, "the hand-over has one producer thread");
+  using Handoff = TileHandoff<Traits::kConsumerThreads / cutlass::NumThreadsPerWarp>;
   using Pipelines = typename Mainloop::Pipelines;
   using PipelineState = typename Mainloop::PipelineState;
   using PipelineStateQ = typename Traits::PipelineStateQ;
@@ -89,6 +97,7 @@ struct FlashFwdKernel {
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q_full[kQStages];
     alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty[kQStages];
     typename Pipelines::SharedStorage pipelines;
+    std::conditional_t<kTileHandoff, typename Handoff::SharedStorage, NoStorage> handoff;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "tile does not fit in shared memory");
@@ -133,7 +142,8 @@ struct FlashFwdKernel {
                                 Traits::kBlockM, /*last_first=*/kVariableKeys<Mask>,
                                 Traits::kPersistent || !kVariableKeys<Mask> ? 0 : p.num_sms,
                                 reinterpret_cast<PackedTileEntry*>(p.packed_tiles),
-                                packed_tile_entries(p, Traits::kBlockM)};
+                                packed_tile_entries(p, Traits::kBlockM),
+                                Traits::kPersistent ? packed_tile_counter(p) : nullptr};
       return launch_packed_tile_table(args, stream);
     } else {
       return cudaSuccess;
@@ -166,11 +176,6 @@ struct FlashFwdKernel {
     auto const role = WarpGroupRole(warp_group_idx);
     int const lane_predicate = cute::elect_one_sync();
 
-    if constexpr (kVarlen) {
-      if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
-        packed_tile_prefetch(params.scheduler.tiles, Scheduler::first_tile(params.scheduler));
-      }
-    }
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       CUTLASS_PRAGMA_UNROLL
@@ -181,9 +186,21 @@ struct FlashFwdKernel {
                                             : Traits::kConsumerThreads);
       }
       if constexpr (Traits::kTmaStoreO) { Epilogue::prefetch_tma_descriptor(params.epilogue); }
+      if constexpr (kTileHandoff) { Handoff::init(storage.handoff); }
     }
 
     Pipelines pipelines(storage.pipelines, role == WarpGroupRole::Producer, warp_idx == 0 && lane_predicate);
+
+    // Packed batches start while the kernel before them ends (launch_fwd.h): up to here
+    // nothing read global memory; what that kernel wrote (the tile table and its counter,
+    // the KV cache's packed queries and split layout) is read from here on
+    // (grid_dependency.h).
+    if constexpr (kVarlen) {
+      wait_for_prior_grids();
+      if (warp_idx == 0 && lane_predicate && params.scheduler.tiles != nullptr) {
+        packed_tile_prefetch(params.scheduler.tiles, int(blockIdx.x));  // the first tile's entry
+      }
+    }
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();
@@ -197,7 +214,20 @@ struct FlashFwdKernel {
       if (Traits::kTransposeV || tma_thread) {
         typename Mainloop::ProducerState write;
         PipelineStateQ write_q;  // advances with every tile that loads Q
-        for (int t = Scheduler::first_tile(sched); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+        Handoff handoff;  // (kTileHandoff)
+        auto const handed = [&](int t) {
+          if constexpr (kTileHandoff) {
+            if (sched.tiles != nullptr) {
+              handoff.put(storage.handoff, t);
+              // The CTA's loads are all issued: the next kernel may be scheduled (the
+              // consumers cannot tell their last tile here; the first trigger of a CTA counts).
+              if (t >= sched.num_tiles) { allow_dependent_grids(); }
+            }
+          }
+          return t;
+        };
+        for (int t = handed(Scheduler::first_tile(sched)); t < sched.num_tiles;
+             t = handed(Scheduler::next_tile(sched, t))) {
           auto const tile = Scheduler::coord(sched, t);
           Seq const seq = seq_at(params, t, tile.batch);
           // Tiles past the sequence's rows (packed batches: the grid covers the longest
@@ -216,19 +246,49 @@ struct FlashFwdKernel {
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       PipelineState read_k, read_v;
       PipelineStateQ read_q;  // the Q buffer of the current tile
-      for (int t = Scheduler::first_tile(sched); t < sched.num_tiles; t = Scheduler::next_tile(sched, t)) {
+      Handoff handoff;  // (kTileHandoff)
+      // Whether the producer hands the tiles over, read from the parameters at each use
+      // rather than kept in a register (none to spare at hdim 256).
+      auto const handed_tiles = [&]() {
+        if constexpr (kTileHandoff) {
+          return sched.tiles != nullptr;
+        } else {
+          return false;
+        }
+      };
+      auto const first_tile = [&]() {
+        if constexpr (kTileHandoff) {
+          if (handed_tiles()) { return handoff.take(storage.handoff); }
+        }
+        return Scheduler::first_tile(sched);
+      };
+      auto const next_tile = [&](int t) {
+        if constexpr (kTileHandoff) {
+          if (handed_tiles()) { return handoff.take(storage.handoff); }
+        }
+        return Scheduler::next_tile(sched, t);
+      };
+      for (int t = first_tile(); t < sched.num_tiles; t = next_tile(t)) {
         auto const tile = Scheduler::coord(sched, t);
         Seq seq = seq_at(params, t, tile.batch);
         // Packed batches: no rows, nothing to write. (Not tested in dense kernels, where it
         // never holds: the hdim 64 non-causal kernel spilled for it.)
         if (kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) { continue; }
         bool const has_keys = Mainloop::has_keys(params.mainloop, seq, tile.m_block);
+        // The CTA's last tile (handed tiles: the producer knows it, and triggers). Decided
+        // here, before O's registers are live.
+        bool const last_tile = kVarlen && !handed_tiles() && Scheduler::next_tile(sched, t) >= sched.num_tiles;
         Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, select<0, 1>(typename Traits::TileShapePV{}));
         auto lse = Mainloop::mma(params.mainloop, storage.mainloop, storage.barrier_q_full[read_q.index()],
                                  storage.barrier_q_empty[read_q.index()], read_q.phase(), read_q.index(), pipelines.k,
                                  pipelines.pv(), read_k, read_v, tOrO, thread_idx, tile.m_block, tile.head, seq);
         // A packed batch's sequence read afresh rather than kept in registers across the mainloop.
-        if constexpr (kVarlen) { seq = seq_at(params, t, tile.batch); }
+        if constexpr (kVarlen) {
+          seq = seq_at(params, t, tile.batch);
+          // After the last tile's GEMMs the next kernel (a KV cache's split merge) may be
+          // scheduled, to wait in its prologue for this grid's end.
+          if (last_tile) { allow_dependent_grids(); }
+        }
         if (has_keys) { ++read_q; }
         if constexpr (Traits::kOInKVStages) {
           if (has_keys) {

@@ -22,8 +22,10 @@ cudaError_t launch_fwd_tiles(FwdParams const& params, cudaStream_t stream) {
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   if (cudaError_t const status = Kernel::prepare(params, stream); status != cudaSuccess) { return status; }
+  // Packed batches usually follow a kernel of ours (the tile table, or the KV cache's
+  // query packing) and overlap its end; dense calls launch as usual.
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,
-                          kernel_params);
+                          kernel_params, /*after_prior_grid=*/kVarlen);
 }
 
 template <class Element, int kHeadDim, class Mask, bool kShortSeq, int kHeadDimV>
@@ -34,19 +36,17 @@ cudaError_t launch_fwd_layout(FwdParams const& params, cudaStream_t stream) {
 
 // Whether a causal call keeps the persistent short tile over the longer range
 // (traits.h kDenseCausalShortMaxSeqlen): where its grid has at least two tiles per SM,
-// for dense batches, and for packed batches of self-attention (no split-KV parts, pages
-// or packed query heads) where the persistent kernel keeps the dense order: its grid
-// over the longest sequence holds no more tiles than the table's bound (equal or
-// near-equal lengths; scheduler_packed.h packed_grid_exceeds_bound). On long-tailed
-// mixes the persistent walk over the table ran 8-22% below one CTA per entry, so they
-// keep kShortSeqMaxSeqlen.
+// for dense batches and for packed batches of self-attention (no split-KV parts, pages
+// or packed query heads). Packed batches of unequal lengths walk their tile table there
+// with claimed entries (scheduler_packed.h): on long-tailed mixes the static snake over
+// the table had run 8-22% below one CTA per entry; the claims run ahead of it
+// (docs/performance.md).
 inline bool causal_long_range(FwdParams const& params, int block_m) {
   int64_t const tiles = int64_t((params.seqlen_q + block_m - 1) / block_m) * params.nheads * params.batch;
   if (tiles < 2 * int64_t(params.num_sms)) { return false; }
   if (!params.is_varlen()) { return true; }
-  bool const self_attention = !params.split_keys && params.page_table == nullptr && params.rows_per_query == 1 &&
-                              params.seqlen_q == params.seqlen_k;
-  return self_attention && !packed_grid_exceeds_bound(params, block_m);
+  return !params.split_keys && params.page_table == nullptr && params.rows_per_query == 1 &&
+         params.seqlen_q == params.seqlen_k;
 }
 
 // Whether each query tile walks the keys of the causal mask: the causal mask, or a local

@@ -50,7 +50,8 @@ struct FwdParams {
   int total_k = 0;
   // The packed-batch forward's tile table (scheduler_packed.h), entries of 8 int32, and
   // its capacity in entries: packed_tile_bound(total_q, batch, nheads,
-  // kPackedMinBlockRows). Null where every sequence fits one tile (decoding).
+  // kPackedMinBlockRows), followed by one more entry for the persistent kernels' claim
+  // counter. Null where every sequence fits one tile (decoding).
   int* packed_tiles = nullptr;
   int packed_tiles_capacity = 0;
   // Packed batches may read K and V through a page table (paged_kv.h), or null. k and v

@@ -82,14 +82,12 @@ CUTLASS_HOST_DEVICE int section_size(int tiles_per_head, int num_sms, int num_bh
 //   512-1k tokens, hdim 256 2k-4k), so the snake is the default.
 
 // The snake: a persistent grid's next tile after `tile`, walking the list in rounds of
-// gridDim.x tiles, forwards in even rounds and backwards in odd ones (also the
-// packed-batch table's order, scheduler_packed.h).
+// gridDim.x tiles, forwards in even rounds and backwards in odd ones.
 // (cta of ctas: blockIdx.x of gridDim.x; explicit so that the host can walk it too.)
 CUTLASS_HOST_DEVICE int snake_next_tile(int tile, int ctas, int cta) {
   int const round = tile / ctas + 1;
   return round * ctas + (round % 2 == 0 ? cta : ctas - 1 - cta);
 }
-CUTLASS_DEVICE int snake_next_tile(int tile) { return snake_next_tile(tile, int(gridDim.x), int(blockIdx.x)); }
 
 // Pairs: position `pos` of a head's list -> the rank of its tile (0: the longest): ranks
 // 0, M - 1, 1, M - 2, ...

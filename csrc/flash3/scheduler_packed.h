@@ -17,9 +17,14 @@
 // heads of a sequence in the sections of the dense causal kernels (scheduler.h).
 //
 // One CTA per tile where the kernel is not persistent (the hardware hands tiles out in
-// list order as SMs free up); a persistent grid walks the list in snake rounds, forwards
-// in even rounds and backwards in odd ones, so that over each pair of rounds every CTA
-// gets a long and a short tile of the sorted list.
+// list order as SMs free up). A persistent grid does the same by itself: each CTA starts
+// on the entry of its index and then claims the next unclaimed entry from a counter in
+// global memory (zeroed by the table kernel) whenever its producer moves on, so the list
+// is dealt greedily, longest first, to whichever CTA frees up first. (A static snake over
+// the list balanced it poorly: the list is sorted by sequence, then head, then tile, so
+// its rounds repeat each sequence's long-to-short run: on 8 sequences of 7-2000 tokens, 16
+// heads, causal, its busiest CTA got 42 key tiles of work against the greedy deal's 30 and
+// an average of 29, and that call ran 1.30x faster with the claims; docs/performance.md.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,6 +56,7 @@ struct PackedTileArgs {
   int section_sms;
   struct PackedTileEntry* tiles;
   int num_entries;
+  int* claimed;  // the persistent kernels' claim counter (zeroed here), or null
 };
 
 // Launches the table kernel (csrc/packed_tiles.cu) on the stream.
@@ -80,6 +86,12 @@ inline int packed_tile_entries(FwdParams const& p, int block_rows) {
 
 // Whether a persistent kernel's grid over the longest sequence (block_rows-row tiles) holds
 // more tiles than the host's bound: then it walks the table, else the dense order (below).
+// The persistent kernels' claim counter: one int past the table's capacity (api.cpp
+// allocates one entry more).
+inline int* packed_tile_counter(FwdParams const& p) {
+  return p.packed_tiles + int64_t(p.packed_tiles_capacity) * (sizeof(PackedTileEntry) / sizeof(int));
+}
+
 inline bool packed_grid_exceeds_bound(FwdParams const& p, int block_rows) {
   int64_t const longest = (p.seqlen_q + block_rows - 1) / block_rows;
   return longest * p.batch * p.nheads > packed_tile_bound(p.total_q, p.batch, p.nheads, block_rows);
@@ -121,8 +133,8 @@ CUTLASS_DEVICE Seq packed_seq_at(PackedTileEntry const* tiles, int entry) {
 // (decoding: no table kernel before a call of a few microseconds). (The dense scheduler
 // beside the table in the one-CTA-per-tile kernels made ptxas spill 100-200 B at hdim
 // 256; they have the dense order within each sequence from the table anyway.)
-// With the table: one CTA per entry where the kernel is not persistent, a snake over the
-// entries where it is.
+// With the table: one CTA per entry where the kernel is not persistent; where it is, the
+// grid's first entries and then entries claimed one by one (above).
 template <class Dense, bool kPersistent>
 struct PackedTileScheduler {
   struct Params {
@@ -130,7 +142,11 @@ struct PackedTileScheduler {
     PackedTileEntry const* tiles;  // or null
     int num_tiles;  // the table's entries (the host's bound), or the tiles without it
     int nheads;
+    int* claimed;  // persistent kernels with the table: entries claimed past the grid's first
   };
+  // Persistent kernels learn their tiles as they go (with the table): only the producer
+  // walks first_tile / next_tile, and hands each tile to the consumers (kernel_fwd.h,
+  // tile_handoff.h).
   using Coord = typename Dense::Coord;
 
   static bool uses_table(FwdParams const& p, int block_rows) {
@@ -145,9 +161,9 @@ struct PackedTileScheduler {
   static Params to_params(FwdParams const& p, int block_rows, typename Dense::Params const& dense) {
     if (uses_table(p, block_rows)) {
       return {dense, reinterpret_cast<PackedTileEntry const*>(p.packed_tiles), packed_tile_entries(p, block_rows),
-              p.nheads};
+              p.nheads, kPersistent ? packed_tile_counter(p) : nullptr};
     }
-    return {dense, nullptr, kPersistent ? dense.num_tiles : p.batch * p.nheads, p.nheads};
+    return {dense, nullptr, kPersistent ? dense.num_tiles : p.batch * p.nheads, p.nheads, nullptr};
   }
 
   static dim3 grid(Params const& params, int num_sms) {
@@ -162,15 +178,22 @@ struct PackedTileScheduler {
   CUTLASS_DEVICE static int first_tile(Params const& params) {
     if constexpr (kPersistent) {
       if (params.tiles == nullptr) { return Dense::first_tile(params.dense); }
+      return real_or_end(params, int(blockIdx.x));
     }
     return int(blockIdx.x);
   }
+  // With the table, a persistent kernel's producer thread alone calls it: it claims an entry.
   CUTLASS_DEVICE static int next_tile(Params const& params, int tile) {
     if constexpr (kPersistent) {
-      return params.tiles == nullptr ? Dense::next_tile(params.dense, tile) : snake_next_tile(tile);
+      if (params.tiles == nullptr) { return Dense::next_tile(params.dense, tile); }
+      return real_or_end(params, int(gridDim.x) + atomicAdd(params.claimed, 1));
     } else {
       return params.num_tiles;
     }
+  }
+  // The entries are the real tiles first, so the first entry past them ends the walk.
+  CUTLASS_DEVICE static int real_or_end(Params const& params, int tile) {
+    return tile < params.num_tiles && params.tiles[tile].batch >= 0 ? tile : params.num_tiles;
   }
 
   CUTLASS_DEVICE static Coord coord(Params const& params, int tile) {
