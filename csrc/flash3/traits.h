@@ -26,10 +26,11 @@ using namespace cute;
 // with two consumer warpgroups, 160 with three).
 //
 // kPersistent: a grid of one CTA per SM walking the tiles (scheduler.h), which overlaps a
-// tile's loads with the previous tile's math. In the general kernels only for
-// equal-length (non-causal) tiles, and only where the loop's extra live registers fit
-// (hdim 256's 80-key non-causal loop spilled 12 B, the causal one 88 B); the short-sequence
-// kernels below are all persistent.
+// tile's loads with the previous tile's math. In the general kernels for equal-length
+// (non-causal) tiles where the loop's extra live registers fit (hdim 256's 80-key
+// non-causal loop spilled 12 B, the causal one 88 B), and at hdim 64 for every mask (its
+// causal and local tiles in a balancing order, or claimed from the packed tile table;
+// docs/performance.md); the short-sequence kernels below are all persistent.
 // kPingpong: the consumer warpgroups take turns on the tensor cores (mainloop_fwd.h).
 // Measured on the H200 against free issue, same run: +2% at hdim 64, +3-5% at hdim 192,
 // +1-2% at hdim 256, +1-4% for hdim 128 causal, within 1.5% at hdim 96; but 1-7% slower
@@ -40,7 +41,7 @@ using namespace cute;
 // straight from registers: +1..+21% where a tile is one CTA's whole work (causal, hdim
 // 192/256; most at 512 tokens), no gain where it costs registers or Q's early release.
 //   hdim  WGs  kBlockM  kBlockN          persistent  smem: Q + 2 stages of K and V
-//    64    3     192   128 / 112 causal   non-causal  24 KB + 64 KB   (softmax-bound: two
+//    64    3     192   128 / 112 causal   yes         24 KB + 64 KB   (softmax-bound: two
 //                                                     warpgroups in softmax while one runs
 //                                                     GEMMs; causal spills 32 B at 128)
 //    96    2     128      128             non-causal  24 KB + 96 KB
@@ -119,7 +120,7 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShor
   static constexpr bool kTwoWarpgroups = kShortSeq;
   static constexpr int kConsumerWarpgroups = kTwoWarpgroups ? 2 : 3;
   static constexpr int kBlockN = kTwoWarpgroups ? 128 : kIsCausal ? 112 : 128, kStages = 2;
-  static constexpr bool kPersistent = !kIsCausal || kShortSeq;
+  static constexpr bool kPersistent = true;
   // Short tiles: free issue measured 2-7% faster than pingpong (A/B, H200, 512-2k).
   static constexpr bool kPingpong = !kShortSeq;
   // The persistent loop with 160 registers per consumer (three warpgroups) spills 20-28 B
