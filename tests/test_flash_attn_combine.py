@@ -97,6 +97,8 @@ def test_combine_of_flash3_splits_on_gpu(seed):
     combined, against flash3.attention over all keys (bf16 rounding of the partial outputs)."""
     import flash3
 
+    if not flash3.is_supported("fwd", "bf16", 128, False):
+        pytest.skip("fwd bf16 hdim128 non-causal not in this build")
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(2, n, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for n in (64, 3000, 3000))
     outs, lses = [], []
