@@ -123,8 +123,9 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShor
   static constexpr bool kPersistent = true;
   // Short tiles: free issue measured 2-7% faster than pingpong (A/B, H200, 512-2k).
   static constexpr bool kPingpong = !kShortSeq;
-  // The persistent loop with 160 registers per consumer (three warpgroups) spills 20-28 B
-  // with the TMA store; two warpgroups have the registers for it.
+  // The non-causal persistent loop (three warpgroups, 128 keys, 160 registers per
+  // consumer) spills 20-28 B with the TMA store; the causal one (112 keys) and two
+  // warpgroups have the registers for it.
   static constexpr bool kTmaStoreO = kIsCausal || kTwoWarpgroups;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShortSeq> {
