@@ -355,14 +355,20 @@ struct MainloopFwd {
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    // The shared-memory operands' descriptors depend only on the warpgroup: sliced from a
+    // warp-uniform index (a shuffle from lane 0), ptxas keeps them in uniform registers
+    // rather than copying them from vector registers (R2UR) before every GEMM.
+    int const warpgroup_first_thread =
+        __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) * cutlass::NumThreadsPerWarpGroup;
+    auto wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread);
+    auto wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_first_thread);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem_q_stage(storage, q_stage)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem_pv(storage)), SmemLayoutVt{});
-    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, PIPE)
-    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tSrQ = wg_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = wg_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tOrV = wg_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
 
     // Coordinates (row, col) within the tile of each S element this thread holds.
     Tensor cS = make_identity_tensor(select<0, 1>(TileShapeMNK{}));
@@ -459,8 +465,9 @@ struct MainloopFwd {
       OperandP::convert(tSrS, rP);
       clear(tOrO);
 
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (--n_block; n_block >= n_begin; --n_block) {
+      // Key tile n_block after the first. masked_tile (compile time): whether some score of
+      // the tile is masked; the tiles under no mask run a loop without the mask's code.
+      auto key_tile = [&](int n_block, auto masked_tile) __attribute__((always_inline)) {
         tile_scales = scales.tile(n_block);
         Tensor tSrS_next = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
         pipeline_k.consumer_wait(read_k);
@@ -475,7 +482,7 @@ struct MainloopFwd {
         ++read_k;
         // UNLOCK sQ: that was the last Q K^T (unless O is staged there: the kernel hands it back)
         if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
-        bool const masked = policy.needs_mask(m_block, n_block);  // also the softmax's row max path
+        constexpr bool masked = decltype(masked_tile)::value;  // also the softmax's row max path
         Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked);
         float const tanh_prescale = tanh_in_max(masked);
         Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
@@ -509,6 +516,27 @@ struct MainloopFwd {
           for (int mi = kRows / 2; mi < kRows; ++mi) { softmax.exponentiate_row(tSrS_rowcol, mi, tile_scales, correction(mi)); }
         }
         OperandP::convert(tSrS_next, rP);
+      };
+      // The tiles under no mask are one run [n_unmasked_begin, n_unmasked_end) (mask.h
+      // needs_mask): the masked ones above it come first, those below it (local windows)
+      // last. Without a causal or local mask only the last key tile (the first one
+      // visited) can be masked.
+      int n_unmasked_end = n_block;
+      int n_unmasked_begin = n_begin;
+      if constexpr (Mask::kIsCausal || Mask::kIsLocal) {
+        while (n_unmasked_end > n_begin && policy.needs_mask(m_block, n_unmasked_end - 1)) { --n_unmasked_end; }
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (--n_block; n_block >= n_unmasked_end; --n_block) { key_tile(n_block, cute::true_type{}); }
+        ++n_block;
+      }
+      if constexpr (Mask::kIsLocal) {
+        while (n_unmasked_begin < n_unmasked_end && policy.needs_mask(m_block, n_unmasked_begin)) { ++n_unmasked_begin; }
+      }
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (--n_block; n_block >= n_unmasked_begin; --n_block) { key_tile(n_block, cute::false_type{}); }
+      if constexpr (Mask::kIsLocal) {
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (; n_block >= n_begin; --n_block) { key_tile(n_block, cute::true_type{}); }
       }
 
       // Last key tile: O += P V only.

@@ -141,7 +141,8 @@ struct MaskPolicy {
   }
 
   // True when some element of tile (m_block, n_block) is masked. Tiles are visited from
-  // the last one down, so the masked ones come first and the loop peels them.
+  // the last one down, so the masked ones come first; the unmasked ones are one run, which
+  // the forward walks in a loop of its own (mainloop_fwd.h).
   CUTLASS_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     bool tail = (n_block + 1) * kBlockN > seqlen_k;
     if constexpr (Mask::kIsCausal) {
