@@ -119,13 +119,18 @@ struct TileConfig;
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShortSeq> {
   static constexpr bool kTwoWarpgroups = kShortSeq;
   static constexpr int kConsumerWarpgroups = kTwoWarpgroups ? 2 : 3;
-  static constexpr int kBlockN = kTwoWarpgroups ? 128 : kIsCausal ? 112 : 128, kStages = 2;
+  // 128 keys for every mask. The causal and local tiles had 112 until the mainloop sliced
+  // the shared-memory descriptors per warpgroup (mainloop_fwd.h): with the registers that
+  // freed, 128 keys fit there without local memory. With the split key-tile loop, 128 keys
+  // against 112 (H200): +0.5..+3.5% on 17 of 20 causal and local cells, -0.8% at 1 x 10000,
+  // -1.2% with GQA 2 x 7000, -1.9% with a 2k window and softcap.
+  static constexpr int kBlockN = 128, kStages = 2;
   static constexpr bool kPersistent = true;
   // Short tiles: free issue measured 2-7% faster than pingpong (A/B, H200, 512-2k).
   static constexpr bool kPingpong = !kShortSeq;
-  // The non-causal persistent loop (three warpgroups, 128 keys, 160 registers per
-  // consumer) spills 20-28 B with the TMA store; the causal one (112 keys) and two
-  // warpgroups have the registers for it.
+  // The non-causal persistent loop (three warpgroups, 160 registers per consumer) spills
+  // 20-28 B with the TMA store; the causal and local ones and two warpgroups have the
+  // registers for it.
   static constexpr bool kTmaStoreO = kIsCausal || kTwoWarpgroups;
 };
 template <bool kIsCausal, bool kShortSeq> struct TileConfig<96, kIsCausal, kShortSeq> {
@@ -224,9 +229,11 @@ struct KernelTraits : FwdTilesOf<Element_, kHeadDim_, kIsCausal_, kShortSeq_, kH
   // utils.h row_max_bits): half the instructions of the FMNMX chain and a short dependency
   // path ahead of the exponentials. H200 A/B against the FMNMX chain (three passes each,
   // bitwise-identical outputs): hdim 64 non-causal +3..+5% from 2k keys, the short causal
-  // kernels (<= 2k) +0.5..+4.5%; the general hdim 64 causal kernel (from 4k) -1.5%, hdim
-  // 128 causal -1..-3%, hdim 128 non-causal and hdim 256 within +-1%: there it stays off.
-  static constexpr bool kIntRowMax = kHeadDim == 64 && (!kIsCausal_ || kShortSeq_);
+  // kernels (<= 2k) +0.5..+4.5%; hdim 128 causal -1..-3%, hdim 128 non-causal and hdim 256
+  // within +-1%: there it stays off. The general hdim 64 causal kernel lost 1.5% with 112
+  // keys and one loop for masked and unmasked tiles; with 128 keys and the split loop it
+  // gains up to 2.2% (most at 12k-16k and in varlen mixes), with softcap -0.9%.
+  static constexpr bool kIntRowMax = kHeadDim == 64;
   // One logit scale for the whole kernel (block_scales.h), and the softmax of softmax.h.
   using Scales = NoBlockScales;
   template <int kRows>
