@@ -517,23 +517,16 @@ struct MainloopFwd {
         }
         OperandP::convert(tSrS_next, rP);
       };
-      // The tiles under no mask are one run [n_unmasked_begin, n_unmasked_end) (mask.h
-      // needs_mask): the masked ones above it come first, those below it (local windows)
-      // last. Without a causal or local mask only the last key tile (the first one
-      // visited) can be masked.
-      int n_unmasked_end = n_block;
-      int n_unmasked_begin = n_begin;
+      // The masked tiles above the run of unmasked ones, the run, and (local) the masked
+      // tiles below it (mask.h unmasked_run).
+      auto const unmasked = policy.unmasked_run(m_block, n_begin, n_end);
       if constexpr (Mask::kIsCausal || Mask::kIsLocal) {
-        while (n_unmasked_end > n_begin && policy.needs_mask(m_block, n_unmasked_end - 1)) { --n_unmasked_end; }
         CUTLASS_PRAGMA_NO_UNROLL
-        for (--n_block; n_block >= n_unmasked_end; --n_block) { key_tile(n_block, cute::true_type{}); }
+        for (--n_block; n_block >= unmasked.end; --n_block) { key_tile(n_block, cute::true_type{}); }
         ++n_block;
       }
-      if constexpr (Mask::kIsLocal) {
-        while (n_unmasked_begin < n_unmasked_end && policy.needs_mask(m_block, n_unmasked_begin)) { ++n_unmasked_begin; }
-      }
       CUTLASS_PRAGMA_NO_UNROLL
-      for (--n_block; n_block >= n_unmasked_begin; --n_block) { key_tile(n_block, cute::false_type{}); }
+      for (--n_block; n_block >= unmasked.begin; --n_block) { key_tile(n_block, cute::false_type{}); }
       if constexpr (Mask::kIsLocal) {
         CUTLASS_PRAGMA_NO_UNROLL
         for (; n_block >= n_begin; --n_block) { key_tile(n_block, cute::true_type{}); }
