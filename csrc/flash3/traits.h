@@ -41,9 +41,9 @@ using namespace cute;
 // straight from registers: +1..+21% where a tile is one CTA's whole work (causal, hdim
 // 192/256; most at 512 tokens), no gain where it costs registers or Q's early release.
 //   hdim  WGs  kBlockM  kBlockN          persistent  smem: Q + 2 stages of K and V
-//    64    3     192   128 / 112 causal   yes         24 KB + 64 KB   (softmax-bound: two
+//    64    3     192      128             yes         24 KB + 64 KB   (softmax-bound: two
 //                                                     warpgroups in softmax while one runs
-//                                                     GEMMs; causal spills 32 B at 128)
+//                                                     GEMMs)
 //    96    2     128      128             non-causal  24 KB + 96 KB
 //   128    2     128   176 / 128 causal   non-causal  32 KB + 176 KB  (causal: finer diagonal)
 //   192    2     128      112             no          48 KB + 168 KB
