@@ -141,7 +141,7 @@ struct MaskPolicy {
   }
 
   // True when some element of tile (m_block, n_block) is masked. Tiles are visited from
-  // the last one down, so the masked ones come first (unmasked_run below).
+  // the last one down, so the masked ones come first (unmasked_end below).
   CUTLASS_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     bool tail = (n_block + 1) * kBlockN > seqlen_k;
     if constexpr (Mask::kIsCausal) {
@@ -157,23 +157,17 @@ struct MaskPolicy {
     }
   }
 
-  // The key tiles of query tile m_block's range [n_begin, n_end) below its last one that
-  // need no mask: one run [begin, end), with the masked tiles above it and (local) below
-  // it; the forward walks each part in a loop of its own (mainloop_fwd.h). Without a
-  // causal or local mask only the last tile can be masked.
-  struct KeyTileRun {
-    int begin;
-    int end;
-  };
-  CUTLASS_HOST_DEVICE KeyTileRun unmasked_run(int m_block, int n_begin, int n_end) const {
-    KeyTileRun run{n_begin, n_end - 1};
-    if constexpr (Mask::kIsCausal || Mask::kIsLocal) {
-      while (run.end > n_begin && needs_mask(m_block, run.end - 1)) { --run.end; }
+  // Causal and no mask: the key tiles of query tile m_block's range [n_begin, n_end) below
+  // its last one that need no mask are [n_begin, unmasked_end), with the masked ones above
+  // them; the forward walks each part in a loop of its own (mainloop_fwd.h). Without a
+  // causal mask only the last tile can be masked.
+  CUTLASS_HOST_DEVICE int unmasked_end(int m_block, int n_begin, int n_end) const {
+    static_assert(!Mask::kIsLocal, "the local kernels test each key tile");
+    int end = n_end - 1;
+    if constexpr (Mask::kIsCausal) {
+      while (end > n_begin && needs_mask(m_block, end - 1)) { --end; }
     }
-    if constexpr (Mask::kIsLocal) {
-      while (run.begin < run.end && needs_mask(m_block, run.begin)) { ++run.begin; }
-    }
-    return run;
+    return end;
   }
 
   // The visible keys [col_begin, col_end) of query row `row`, in keys.
