@@ -122,8 +122,9 @@ template <bool kIsCausal, bool kShortSeq> struct TileConfig<64, kIsCausal, kShor
   // 128 keys for every mask. The causal and local tiles had 112 until the mainloop sliced
   // the shared-memory descriptors per warpgroup (mainloop_fwd.h): with the registers that
   // freed, 128 keys fit there without local memory. With the split key-tile loop, 128 keys
-  // against 112 (H200): +0.5..+3.5% on 17 of 20 causal and local cells, -0.8% at 1 x 10000,
-  // -1.2% with GQA 2 x 7000, -1.9% with a 2k window and softcap.
+  // against 112 (H200): +0.5..+3.5% on most causal cells, -0.8% at 1 x 10000, -1.2% with
+  // GQA 2 x 7000. The local kernels, with their one loop, against 112 keys (H100): a 4k
+  // window +6%, softcap causal +2%, a 2k window with softcap and a 1k window level.
   static constexpr int kBlockN = 128, kStages = 2;
   static constexpr bool kPersistent = true;
   // Short tiles: free issue measured 2-7% faster than pingpong (A/B, H200, 512-2k).
