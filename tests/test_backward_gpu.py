@@ -114,7 +114,7 @@ def test_backward_gqa(seed, d, causal, hk):
 # The causal backward takes its key tiles in sections of (batch, head) pairs, longest
 # first across a section (kernel_bwd.h, scheduler.h section_size). On 132 SMs, 1300 keys
 # give sections of 8 pairs at hdim 64 / 128 (11 key tiles of 128 per head) and of 4 at hdim
-# 256 (21 key tiles of 64): 10 pairs leave a partial one.
+# 256 (17 key tiles of 80): 10 pairs leave a partial one.
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_sectioned_tile_order(seed, d):
     _skip_unless_built(torch.bfloat16, d, True)
@@ -123,10 +123,11 @@ def test_backward_sectioned_tile_order(seed, d):
     _check_grads(q, k, v, dout, True, grads)
 
 
-# Odd key-tile counts (401 keys: 7 tiles of 64; 135: 3), both masks, deterministic mode,
+# Odd key-tile counts (401 keys: 7 tiles of 64, or 6 of 80 at hdim 256 outside
+# deterministic mode, the last with one key; 135: 3, or 2), both masks, deterministic mode,
 # GQA (dk and dv summed over the group) and a partial section of (batch, head) pairs at
-# hdim 192/256: on 132 SMs a causal section holds 16 pairs at 7 key tiles per head and 32
-# at 3, so 2 x 18 pairs leave a partial one at both lengths.
+# hdim 192/256: on 132 SMs a causal section holds 16 pairs at 7 (or 6) key tiles per head
+# and 32 (or 64) at 3 (or 2), so 2 x 18 pairs leave a partial one at both lengths.
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(333, 401), (577, 135)], ids=["333x401", "577x135"])

@@ -240,14 +240,18 @@ def _grads_reference(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, dout, dlse):
     return dq, dk, dv
 
 
+# GQA (float32 dK and dV per query head, summed by the binding) and one K/V head per
+# query head (16-bit dK and dV; a sequence's partial last key tile is written row by row,
+# so that it does not reach the next sequence's rows).
+@pytest.mark.parametrize("hk", [2, 4], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", HDIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_mix(dtype, d, causal):
+def test_backward_mix(dtype, d, causal, hk):
     _skip_unless_built("bwd", dtype, d, causal)
     lens_q = [1, 7, 128, 129, 1000, 0, 333]
     lens_k = [1, 70, 128, 200, 1000, 9, 0]
-    q, k, v, cu_q, cu_k = _packed(100 + d, lens_q, lens_k, 4, 2, d, dtype)
+    q, k, v, cu_q, cu_k = _packed(100 + d, lens_q, lens_k, 4, hk, d, dtype)
     q.requires_grad_()
     k.requires_grad_()
     v.requires_grad_()

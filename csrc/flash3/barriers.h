@@ -35,6 +35,10 @@ enum class NamedBarrier : int {
   // read the dO stage (warpgroup 1 writes its dQ half over it). Those kernels have no dQ
   // buffer, so DqEmptyWG0's id is free there.
   dOStageRead = DqEmptyWG0,
+  // Backward, transposed layout (hdim 256, one P and one dS buffer): both consumer
+  // warpgroups' GEMMs of the previous query tile are done with the buffers. Those
+  // kernels have neither a dQ buffer nor dQ over the stages, so QStageRead's id is free.
+  PdSEmpty = QStageRead,
   // Forward (kOInKVStages, traits.h): both consumer warpgroups' last GEMMs of a tile are
   // done, so O may be staged over the tile's last K and V stages. Forward kernels use
   // none of the backward's ids.

@@ -28,9 +28,16 @@ struct EpilogueBwd {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kHeadDimV = Traits::kHeadDimV;
 
-  // dK is staged where K was, dV where V was, in their layouts.
+  // dK is staged where K was, dV where V was, in their layouts. With Traits::kTransposed
+  // the accumulators hold dK^T and dV^T, which transposing stmatrix (STSM.T) writes
+  // through the (d, keys) views of those layouts.
+  static constexpr bool kTransposed = Traits::kTransposed;
   using SmemLayoutdK = typename Traits::SmemLayoutK;
   using SmemLayoutdV = typename Traits::SmemLayoutV;
+  static_assert(!kTransposed || std::is_same_v<SmemLayoutdK, SmemLayoutdV>, "dV^T uses K's transposed view");
+  using SmemLayoutdKStaging = std::conditional_t<kTransposed, typename Traits::SmemLayoutKt, SmemLayoutdK>;
+  using SmemLayoutdVStaging = std::conditional_t<kTransposed, typename Traits::SmemLayoutKt, SmemLayoutdV>;
+  using StagingCopyAtom = Copy_Atom<std::conditional_t<kTransposed, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>, Element>;
   using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>>;
   using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>>;
 
@@ -98,12 +105,19 @@ struct EpilogueBwd {
 
   // smem_k, smem_v: the CTA's K and V tiles, which both consumer warpgroups have finished
   // reading once they pass the first barrier below.
+  // smem_q: the Q and dO stages (dead too), used by store_transposed_via_smem.
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void store(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV, Element* smem_k,
-                                   Element* smem_v, int thread_idx, int n_block, int head, Seq const& seq) {
+                                   Element* smem_v, Element* smem_q, int thread_idx, int n_block, int head,
+                                   Seq const& seq) {
     if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
       // (In a packed batch the rows past the sequence's last key are the next sequence's.)
-      store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
+      if constexpr (kTransposed) {
+        store_transposed_via_smem(params, tdKrdK, tdVrdV, reinterpret_cast<float*>(smem_q),
+                                  reinterpret_cast<float*>(smem_k), thread_idx, n_block, head, seq);
+      } else {
+        store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
+      }
     } else {
       store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, seq);
     }
@@ -119,18 +133,20 @@ struct EpilogueBwd {
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // LOCK sK, sV
     Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutdK{});
     Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutdV{});
-    auto smem_tiled_copy_dk = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadK{});
-    auto smem_tiled_copy_dv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadV{});
+    Tensor sdKStaging = make_tensor(make_smem_ptr(smem_k), SmemLayoutdKStaging{});
+    Tensor sdVStaging = make_tensor(make_smem_ptr(smem_v), SmemLayoutdVStaging{});
+    auto smem_tiled_copy_dk = make_tiled_copy_C(StagingCopyAtom{}, typename Traits::TiledMmadK{});
+    auto smem_tiled_copy_dv = make_tiled_copy_C(StagingCopyAtom{}, typename Traits::TiledMmadV{});
     auto smem_thr_copy_dk = smem_tiled_copy_dk.get_thread_slice(thread_idx);
     auto smem_thr_copy_dv = smem_tiled_copy_dv.get_thread_slice(thread_idx);
     {
       Tensor rdK = make_tensor<Element>(tdKrdK.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) { rdK(i) = static_cast<Element>(tdKrdK(i) * params.softmax_scale); }
-      copy(smem_tiled_copy_dk, smem_thr_copy_dk.retile_S(rdK), smem_thr_copy_dk.partition_D(sdK));
+      copy(smem_tiled_copy_dk, smem_thr_copy_dk.retile_S(rdK), smem_thr_copy_dk.partition_D(sdKStaging));
       Tensor rdV = make_tensor<Element>(tdVrdV.layout());
       convert_into(tdVrdV, rdV);
-      copy(smem_tiled_copy_dv, smem_thr_copy_dv.retile_S(rdV), smem_thr_copy_dv.partition_D(sdV));
+      copy(smem_tiled_copy_dv, smem_thr_copy_dv.retile_S(rdV), smem_thr_copy_dv.partition_D(sdVStaging));
     }
     // The tiles were written through the generic proxy; TMA reads through the async proxy.
     cutlass::arch::fence_view_async_shared();
@@ -153,22 +169,80 @@ struct EpilogueBwd {
     }
   }
 
+  // kTransposed, float32 outputs or a packed sequence's partial last key tile: dK^T and
+  // dV^T go to shared memory as float32 (keys, d) tiles, dK's over the Q and dO stages and
+  // dV's over K and V (80 KB each), then to global memory 16 bytes of a row per thread,
+  // skipping rows past seqlen_k. (Element by element straight from the accumulators, the
+  // row addresses spilled.)
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void store_transposed_via_smem(Params const& params, TensordK const& tdKrdK,
+                                                       TensordV const& tdVrdV, float* smem_dk, float* smem_dv,
+                                                       int thread_idx, int n_block, int head, Seq const& seq) {
+    static_assert(kTransposed && kHeadDimV == kHeadDim);
+    constexpr int kConsumerThreads = Traits::kConsumerThreads;
+    static_assert(kBlockN * kHeadDim * sizeof(float) <= 2 * cute::cosize_v<typename Traits::SmemLayoutK> * sizeof(Element),
+                  "dV's float32 tile fits over K and V");
+    static_assert(kBlockN * kHeadDim * sizeof(float) <=
+                      (cute::cosize_v<typename Traits::SmemLayoutQ> + cute::cosize_v<typename Traits::SmemLayoutdO>) *
+                          sizeof(Element),
+                  "dK's float32 tile fits over the Q and dO stages");
+    // Both warpgroups' last GEMMs (which read K, Q and dO) are done.
+    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // LOCK Q, dO, K, V
+    auto thr_mma_dk = typename Traits::TiledMmadK{}.get_thread_slice(thread_idx);
+    Tensor tdKcdK = thr_mma_dk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedK{})));  // (d, key)
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) {
+      int const offset = get<1>(tdKcdK(i)) * kHeadDim + get<0>(tdKcdK(i));
+      smem_dk[offset] = tdKrdK(i) * params.softmax_scale;
+      smem_dv[offset] = tdVrdV(i);
+    }
+    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);
+    int const row0 = n_block * kBlockN;
+    int const rows = min(seq.seqlen_k - row0, kBlockN);
+    int64_t const dk_offset = seq.batch * params.dk_batch_stride + head * params.dk_head_stride +
+                              (int64_t(seq.offset_k) + row0) * params.dk_row_stride;
+    int64_t const dv_offset = seq.batch * params.dv_batch_stride + head * params.dv_head_stride +
+                              (int64_t(seq.offset_k) + row0) * params.dv_row_stride;
+    auto copy_out = [&](float const* src, auto* dst, int64_t row_stride) {
+      using Out = std::remove_pointer_t<decltype(dst)>;
+      constexpr int kChunksPerRow = kHeadDim / 4;
+      for (int chunk = thread_idx; chunk < rows * kChunksPerRow; chunk += kConsumerThreads) {
+        int const row = chunk / kChunksPerRow;
+        int const col = chunk % kChunksPerRow * 4;
+        float4 const v = *reinterpret_cast<float4 const*>(src + row * kHeadDim + col);
+        cutlass::Array<Out, 4> out;
+        out[0] = static_cast<Out>(v.x);
+        out[1] = static_cast<Out>(v.y);
+        out[2] = static_cast<Out>(v.z);
+        out[3] = static_cast<Out>(v.w);
+        *reinterpret_cast<cutlass::Array<Out, 4>*>(dst + row * row_stride + col) = out;
+      }
+    };
+    if (params.fp32_out) {
+      copy_out(smem_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride);
+      copy_out(smem_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride);
+    } else {
+      copy_out(smem_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride);
+      copy_out(smem_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride);
+    }
+  }
+
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void store_direct(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV,
                                           int thread_idx, int n_block, int head, Seq const& seq) {
     auto thr_mma_dk = typename Traits::TiledMmadK{}.get_thread_slice(thread_idx);
     auto thr_mma_dv = typename Traits::TiledMmadV{}.get_thread_slice(thread_idx);
+    int const row0 = n_block * kBlockN;
+    int64_t const dk_offset =
+        seq.batch * params.dk_batch_stride + head * params.dk_head_stride + int64_t(seq.offset_k) * params.dk_row_stride;
+    int64_t const dv_offset =
+        seq.batch * params.dv_batch_stride + head * params.dv_head_stride + int64_t(seq.offset_k) * params.dv_row_stride;
     Tensor tdKcdK = thr_mma_dk.partition_C(make_identity_tensor(TileShapedK{}));
     Tensor tdVcdV = thr_mma_dv.partition_C(make_identity_tensor(TileShapedV{}));
     Tensor coord_rowcol_dk = make_tensor(tdKcdK.data(), accumulator_rowcol(tdKcdK.layout()));
     Tensor coord_rowcol_dv = make_tensor(tdVcdV.data(), accumulator_rowcol(tdVcdV.layout()));
     Tensor dK_rowcol = make_tensor(tdKrdK.data(), accumulator_rowcol(tdKrdK.layout()));
     Tensor dV_rowcol = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
-    int const row0 = n_block * kBlockN;
-    int64_t const dk_offset =
-        seq.batch * params.dk_batch_stride + head * params.dk_head_stride + int64_t(seq.offset_k) * params.dk_row_stride;
-    int64_t const dv_offset =
-        seq.batch * params.dv_batch_stride + head * params.dv_head_stride + int64_t(seq.offset_k) * params.dv_row_stride;
     if (params.fp32_out) {
       store_one(dK_rowcol, coord_rowcol_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
                 seq.seqlen_k, params.softmax_scale);

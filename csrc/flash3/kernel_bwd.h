@@ -19,6 +19,7 @@
 #include "mainloop_bwd.h"
 #include "mainloop_bwd_lockstep.h"
 #include "mainloop_bwd_split_keys.h"
+#include "mainloop_bwd_transposed.h"
 #include "scheduler.h"
 #include "traits_bwd.h"
 
@@ -154,9 +155,16 @@ struct FlashBwdKernel {
       pipeline_params.is_leader = 0;
     }
     PipelineQ pipeline_q(storage.mainloop.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-    // dO's stages carry fewer bytes than Q's where V's head dim is the smaller.
-    pipeline_params.transaction_bytes = Traits::kBytesdO;
-    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+    // dO's stages carry fewer bytes than Q's where V's head dim is the smaller (and may be
+    // fewer: Traits::kStagesdO).
+    typename PipelinedO::Params pipeline_params_do;
+    pipeline_params_do.transaction_bytes = Traits::kBytesdO;
+    pipeline_params_do.num_consumers = pipeline_params.num_consumers;
+    pipeline_params_do.role = pipeline_params.role == PipelineQ::ThreadCategory::Producer
+                                  ? PipelinedO::ThreadCategory::Producer
+                                  : PipelinedO::ThreadCategory::Consumer;
+    pipeline_params_do.is_leader = pipeline_params.is_leader;
+    PipelinedO pipeline_do(storage.mainloop.pipeline_do, pipeline_params_do, Shape<_1, _1, _1>{});
 
     // Barrier and pipeline initialisation must be visible to every thread before use.
     __syncthreads();
@@ -165,27 +173,30 @@ struct FlashBwdKernel {
       cutlass::arch::warpgroup_reg_dealloc<Registers::kProducer>();
       if (warp_idx == 0 && lane_predicate) {
         PipelineState write_q = cutlass::make_producer_start_state<PipelineQ>();
-        PipelineState write_do = cutlass::make_producer_start_state<PipelinedO>();
+        typename Traits::PipelineStatedO write_do = cutlass::make_producer_start_state<PipelinedO>();
         with_seq([&](Seq const& seq) {
           Mainloop::load(params.mainloop, storage.mainloop, pipeline_q, pipeline_do, write_q, write_do, n_block, head,
                          seq);
         });
-      } else if (warp_idx == 1) {
-        with_seq([&](Seq const& seq) { Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, seq); });
+      } else if constexpr (!Traits::kDqAtomics) {
+        if (warp_idx == 1) {
+          with_seq([&](Seq const& seq) { Mainloop::store_dq(params.mainloop, storage.mainloop, n_block, head, seq); });
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Registers::kConsumer>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
-      PipelineState read_q, read_do;
+      PipelineState read_q;
+      typename Traits::PipelineStatedO read_do;
       Tensor tdKrdK = partition_fragment_C(typename Traits::TiledMmadK{},
                                            select<0, 1>(typename Traits::TileShapedK{}));
       Tensor tdVrdV = partition_fragment_C(typename Traits::TiledMmadV{},
                                            select<0, 1>(typename Traits::TileShapedV{}));
       Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do,
-                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, seqs.at(tile.batch));
+                    read_q, read_do, tdKrdK, tdVrdV, thread_idx, n_block, head, seqs.at(tile.batch));
       Seq const seq = seqs.at(tile.batch);
       Epilogue::store(params.epilogue, tdKrdK, tdVrdV, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(),
-                      thread_idx, n_block, head, seq);
+                      storage.mainloop.smem_q.data(), thread_idx, n_block, head, seq);
     }
   }
 };

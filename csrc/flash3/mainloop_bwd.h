@@ -39,6 +39,7 @@ struct MainloopBwd {
   using PipelineQ = typename Traits::PipelineQ;
   using PipelinedO = typename Traits::PipelinedO;
   using PipelineState = typename Traits::PipelineState;
+  using PipelineStatedO = typename Traits::PipelineStatedO;
   using Policy = MaskPolicy<Mask, kBlockM, kBlockN>;
   static_assert(Traits::kConsumerWarpgroups == 2, "dQ goes to the dQ warp in two halves, one per consumer warpgroup");
 
@@ -223,7 +224,7 @@ struct MainloopBwd {
   // before dO has landed.
   CUTLASS_DEVICE static void load(Params const& params, SharedStorage& storage,
                                   PipelineQ& pipeline_q, PipelinedO& pipeline_do,
-                                  PipelineState& write_q, PipelineState& write_do,
+                                  PipelineState& write_q, PipelineStatedO& write_do,
                                   int n_block, int head, Seq const& seq) {
     int const m_begin = m_block_begin(params, seq, n_block);
     int const m_end = m_block_end(params, seq, n_block);
@@ -272,9 +273,9 @@ struct MainloopBwd {
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
       // The stages were last used by tile m - kStages, whose dQ the dQ warp reads from them.
       [[maybe_unused]] int const uses = m_block - m_begin - Traits::kStages;
-      // Without kDqViaSmem the dQ half over the dO stage is handed over and read first
+      // With kDqOverStages the dQ half over the dO stage is handed over and read first
       // (store_dq), so dO is loaded first, each stage once its dQ half has been read.
-      if constexpr (!Traits::kDqViaSmem) {
+      if constexpr (Traits::kDqOverStages) {
         if (uses >= 0) { storage.barrier_dq_read[write_do.index()][1].wait((uses / Traits::kStages) & 1); }
         pipeline_do.producer_acquire(write_do);  // LOCK dO stage
         auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
@@ -288,7 +289,7 @@ struct MainloopBwd {
       copy(params.tma_q.with(*q_mbar), tQgQ(_, m_block), tQsQ(_, write_q.index()));
       copy(params.tma_lse.with(*q_mbar), tLgL(_, m_block), tLsL(_, write_q.index()));
       ++write_q;
-      if constexpr (Traits::kDqViaSmem) {
+      if constexpr (!Traits::kDqOverStages) {
         pipeline_do.producer_acquire(write_do);  // LOCK dO stage
         auto* do_mbar = pipeline_do.producer_get_barrier(write_do);
         copy(params.tma_do.with(*do_mbar), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
@@ -302,16 +303,19 @@ struct MainloopBwd {
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma(Params const& params, SharedStorage& storage,
                                  PipelineQ& pipeline_q, PipelinedO& pipeline_do,
-                                 PipelineState& read_q, PipelineState& read_do,
+                                 PipelineState& read_q, PipelineStatedO& read_do,
                                  TensordK& tdKrdK, TensordV& tdVrdV,
-                                 int thread_idx, int n_block, Seq const& seq) {
+                                 int thread_idx, int n_block, int head, Seq const& seq) {
     clear(tdKrdK);
     clear(tdVrdV);
     // Query tiles [m_begin, m_end) see the key tile; none: dK = dV = 0.
     int const m_begin = m_block_begin(params, seq, n_block);
     int const m_end = m_block_end(params, seq, n_block);
     if (m_begin >= m_end) { return; }
-    if constexpr (Traits::kSplitKeys) {
+    if constexpr (Traits::kTransposed) {
+      mma_transposed(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
+                     thread_idx, n_block, head, m_begin, m_end, seq);
+    } else if constexpr (Traits::kSplitKeys) {
       mma_split_keys(params, storage, pipeline_q, pipeline_do, read_q, read_do, tdKrdK, tdVrdV,
                      thread_idx, n_block, m_begin, m_end, seq);
     } else {
@@ -356,7 +360,7 @@ struct MainloopBwd {
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma_split_keys(Params const& params, SharedStorage& storage,
                                             PipelineQ& pipeline_q, PipelinedO& pipeline_do,
-                                            PipelineState& read_q, PipelineState& read_do,
+                                            PipelineState& read_q, PipelineStatedO& read_do,
                                             TensordK& tdKrdK, TensordV& tdVrdV,
                                             int thread_idx, int n_block, int m_begin, int m_end,
                                             Seq const& seq);
@@ -411,17 +415,26 @@ struct MainloopBwd {
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void mma_lockstep(Params const& params, SharedStorage& storage,
                                           PipelineQ& pipeline_q, PipelinedO& pipeline_do,
-                                          PipelineState& read_q, PipelineState& read_do,
+                                          PipelineState& read_q, PipelineStatedO& read_do,
                                           TensordK& tdKrdK, TensordV& tdVrdV,
                                           int thread_idx, int n_block, int m_begin, int m_end,
                                           Seq const& seq);
+
+  // kTransposed (mainloop_bwd_transposed.h): 80-key tiles, dQ^T added by the consumers.
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void mma_transposed(Params const& params, SharedStorage& storage,
+                                            PipelineQ& pipeline_q, PipelinedO& pipeline_do,
+                                            PipelineState& read_q, PipelineStatedO& read_do,
+                                            TensordK& tdKrdK, TensordV& tdVrdV,
+                                            int thread_idx, int n_block, int head, int m_begin, int m_end,
+                                            Seq const& seq);
 
   static constexpr int kDqBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
   // One Q stage; stage s starts s of these into smem_q. Without kDqViaSmem, dQ halves go
   // over dO stages too, which are then as large (kHeadDimV == kHeadDim, traits_bwd.h).
   static constexpr int kStageElements = kBlockM * kHeadDim;
   static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
-  static_assert(Traits::kDqViaSmem || cute::cosize_v<SmemLayoutdO> == Traits::kStages * kStageElements);
+  static_assert(!Traits::kDqOverStages || cute::cosize_v<SmemLayoutdO> == Traits::kStages * kStageElements);
 
   // The dQ warp (dq_writer_bwd.h).
   // Without kDqViaSmem the dO half (warpgroup 1's) is handed over first (mma_lockstep).

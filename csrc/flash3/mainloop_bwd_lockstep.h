@@ -17,7 +17,7 @@ template <class Traits, class Mask>
 template <class TensordK, class TensordV>
 CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_lockstep(Params const& params, SharedStorage& storage,
                                         PipelineQ& pipeline_q, PipelinedO& pipeline_do,
-                                        PipelineState& read_q, PipelineState& read_do,
+                                        PipelineState& read_q, PipelineStatedO& read_do,
                                         TensordK& tdKrdK, TensordV& tdVrdV,
                                         int thread_idx, int n_block, int m_begin, int m_end,
                                         Seq const& seq) {

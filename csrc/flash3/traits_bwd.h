@@ -37,6 +37,16 @@ using namespace cute;
 //   192     64      64       96      32    48        no   (with 128 keys dK+dV+S+dP
 //   256     64      64      128      32    64        no    would need 256 registers)
 //   192/128 64      64       80      32    48        no   (dV: 64 x 128)
+//   256     64      80      160      40    32        transposed (dQ^T in two slices)
+//
+// kTransposed (hdim 256, not deterministic): 80-key tiles, which cut the Q and dO loads
+// and the dQ reductions per FLOP by a fifth, fit only with one dO stage, one P and one
+// dS buffer and no dQ in shared memory. dV^T = dO^T P, dK^T = Q^T dS and dQ^T = K^T dS^T
+// then put the head dim in the WGMMAs' M (80 keys are not a multiple of 64); each
+// warpgroup owns 128 of its rows and issues them as two 64-row slices, and adds each
+// 64-row slice of dQ^T to the float32 workspace with float4 atomics straight from
+// registers while the next slice's GEMM runs, so only one slice's 32 registers are live.
+// Deterministic mode keeps the 64-key kernel, whose dQ warp adds in a fixed order.
 template <int kHeadDim>
 struct BwdTileConfig {
   static constexpr int kBlockM = bwd_block_m(kHeadDim);
@@ -44,7 +54,7 @@ struct BwdTileConfig {
   static constexpr int kStages = 2;
 };
 
-template <class Element_, int kHeadDim_, bool kIsCausal_, int kHeadDimV_ = kHeadDim_>
+template <class Element_, int kHeadDim_, bool kIsCausal_, int kHeadDimV_ = kHeadDim_, bool kTransposed_ = false>
 struct BwdKernelTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -59,13 +69,19 @@ struct BwdKernelTraits {
   static constexpr int kThreads = (kConsumerWarpgroups + kProducerWarpgroups) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kBlockM = Config::kBlockM;
-  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr bool kTransposed = kTransposed_;
+  static_assert(!kTransposed || (kHeadDim_ == 256 && kHeadDimV_ == kHeadDim_),
+                "the transposed layout is built for hdim 256 (its shared memory is sized for it)");
+  static constexpr int kBlockN = kTransposed ? 80 : Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  // dO's stages: one in the transposed layout (its shared memory), else Q's.
+  static constexpr int kStagesdO = kTransposed ? 1 : kStages;
   // P and dS buffers. Lockstep (hdim 192/256): double-buffered, a warpgroup may write tile
   // m + 1's while the other still reads tile m's in its dV/dK/dQ GEMMs, so one barrier per
   // tile suffices. Split keys (pingpong, dQ two tiles late): three dS^T buffers
   // (mainloop_bwd_split_keys.h, issue_dq).
-  static constexpr int kPdSStages = kHeadDim <= 128 ? 3 : 2;
+  // (kTransposed: one buffer each, so every tile waits for both warpgroups' last reads.)
+  static constexpr int kPdSStages = kTransposed ? 1 : kHeadDim <= 128 ? 3 : 2;
   // dQ of a query tile is summed over the key tiles (CTAs) into a float32 workspace by a
   // warp of the producer warpgroup (the dQ warp) with bulk reductions from shared memory
   // (cp.reduce.async.bulk), so the consumers never wait on atomics. The consumers drop
@@ -76,6 +92,9 @@ struct BwdKernelTraits {
   // warp has read it. (Consumer-side float4 atomics instead were measured 15-20% slower
   // at hdim 64/128 and 2x slower at hdim 256.)
   static constexpr bool kDqViaSmem = kHeadDim != 256;
+  static constexpr bool kDqOverStages = kHeadDim == 256 && !kTransposed;
+  // kTransposed: the consumers add dQ^T with float4 atomics (no dQ warp).
+  static constexpr bool kDqAtomics = kTransposed;
 
   // kSplitKeys (hdim <= 128): each consumer warpgroup owns kBlockN / 2 keys for all five
   // GEMMs but dQ. It computes S^T = K Q^T and dP^T = V dO^T for its keys (rows), so P^T
@@ -88,10 +107,11 @@ struct BwdKernelTraits {
   // Registers at hdim 128: dK + dV 128, S^T + dP^T 64, dQ 32.
   static constexpr bool kSplitKeys = kHeadDim <= 128;
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
+  static_assert(!kTransposed || !kSplitKeys);
   static_assert(!kSplitKeys || kHeadDimV == kHeadDim,
                 "a head dim of V other than Q's and K's is built for the lockstep schedule only (hdim > 128): "
                 "mma_split_keys issues dK and dV with one tiled MMA");
-  static_assert(kDqViaSmem || kHeadDimV == kHeadDim,
+  static_assert(!kDqOverStages || kHeadDimV == kHeadDim,
                 "dQ over the Q/dO stages needs dO stages as large as Q's (kHeadDimV == kHeadDim)");
 
   // dK and dV leave through shared memory and TMA stores (epilogue_bwd.h): at hdim 64,
@@ -122,8 +142,16 @@ struct BwdKernelTraits {
   // kSplitKeys, P^T and dS^T come from registers and each warpgroup covers its keys and
   // the whole head dim; otherwise they are MN-major views of shared memory and each
   // warpgroup covers all keys and half the head dim (of V for dV, of K for dK).
+  // kTransposed: dV^T = dO^T P and dK^T = Q^T dS, (d, kBlockN, kBlockM): A = dO^T or Q^T
+  // (MN-major views of dO and Q), B = P or dS as (keys, queries) (MN-major: keys are
+  // contiguous in sP and sdS); the warpgroups take alternate 64-row atoms of the head dim.
   template <int kCols>
-  using TiledMmadKVOf = std::conditional_t<kSplitKeys,
+  using TiledMmadKVTransposedOf = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      AtomLayoutSplitM{}));
+  template <int kCols>
+  using TiledMmadKVUntransposedOf = std::conditional_t<kSplitKeys,
       decltype(make_tiled_mma(
           GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kCols>, Int<kBlockM>>,
                                GMMA::Major::K, GMMA::Major::MN>(),
@@ -132,8 +160,14 @@ struct BwdKernelTraits {
           GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kCols / 2>, Int<kBlockM>>,
                                GMMA::Major::MN, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
-  using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;
-  using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kBlockM>>;
+  template <int kCols>
+  using TiledMmadKVOf = std::conditional_t<kTransposed, TiledMmadKVTransposedOf<kCols>, TiledMmadKVUntransposedOf<kCols>>;
+  // (rows, columns, depth) of the dK and dV GEMMs: (keys, d, queries), or (d, keys,
+  // queries) transposed.
+  using TileShapedK = std::conditional_t<kTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
+                                         Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>>;
+  using TileShapedV = std::conditional_t<kTransposed, Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kBlockM>>,
+                                         Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kBlockM>>>;
   using TiledMmadK = TiledMmadKVOf<kHeadDim>;
   using TiledMmadV = TiledMmadKVOf<kHeadDimV>;
   // dQ = dS K: K^T MN-major; dS K-major, or MN-major with kSplitKeys (stored as dS^T).
@@ -143,9 +177,12 @@ struct BwdKernelTraits {
   // for twice the math at N = 64. Measured (A/B, bf16 bwd): non-causal +2..+4% from 2k
   // keys. Causal was 1-3% slower with the lockstep loop but is +1.5..+4% with the
   // pingpong one (mainloop_bwd_split_keys.h). 64-row tiles split the head dim.
+  // kTransposed: dQ^T = K^T dS^T, (d, kBlockM, kBlockN): A = K^T (MN-major view of K),
+  // B = dS as (queries, keys), K-major; the warpgroups take alternate 64-row atoms of d.
   static constexpr bool kDqSplitRows = kBlockM == 2 * 64;
-  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using TiledMmadQ = std::conditional_t<kDqSplitRows,
+  using TileShapedQ = std::conditional_t<kTransposed, Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBlockN>>,
+                                         Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>>;
+  using TiledMmadQUntransposed = std::conditional_t<kDqSplitRows,
       decltype(make_tiled_mma(
           GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                                kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
@@ -154,6 +191,12 @@ struct BwdKernelTraits {
           GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>,
                                kSplitKeys ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutSplitN{}))>;
+  using TiledMmadQ = std::conditional_t<kTransposed,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockM>, Int<kBlockN>>,
+                               GMMA::Major::MN, GMMA::Major::K>(),
+          AtomLayoutSplitM{})),
+      TiledMmadQUntransposed>;
 
   // Q, dO, K, V: (rows, d) with d contiguous (dv for dO and V). Where a GEMM splits the
   // head dim (dV and dK without kSplitKeys, dQ without kDqSplitRows) each warpgroup reads
@@ -171,25 +214,33 @@ struct BwdKernelTraits {
   using SmemAtomD = SmemAtomOf<kOperandColumns>;
   using SmemAtomDv = SmemAtomOf<kOperandColumnsV>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomDv{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomDv{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStagesdO>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomDv{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
-  static_assert(kHeadDimV != kHeadDim || (std::is_same_v<SmemLayoutdO, SmemLayoutQ> &&
+  static_assert(kHeadDimV != kHeadDim || ((kStagesdO != kStages || std::is_same_v<SmemLayoutdO, SmemLayoutQ>) &&
                                           std::is_same_v<SmemLayoutV, SmemLayoutK>),
                 "equal head dims: dO and V are laid out as Q and K");
   // Transposed views: (d, rows[, stage]).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutdOt = decltype(composition(
-      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStagesdO>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
 
   // P and dS: (kBlockM, kBlockN), keys contiguous. dQ reads dS K-major; dV and dK read
   // P^T and dS^T MN-major in 64-key steps, which the 128-byte swizzle atom (64 elements)
   // matches.
+  // kTransposed: 80 keys, 40 per warpgroup's S, are whole 8-element atoms only: no
+  // swizzle (each 8 x 8 block is 128 contiguous bytes, so STSM is conflict-free).
+  using SmemAtomPdS = std::conditional_t<kTransposed, GMMA::Layout_K_INTER_Atom<Element>,
+                                         GMMA::Layout_K_SW128_Atom<Element>>;
   using SmemLayoutPdS = decltype(tile_to_shape(
-      GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSStages>>{}));
+      SmemAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSStages>>{}));
+  // P and dS leave the S accumulators with STSM, four 8 x 8 blocks per instruction, or
+  // two where a warpgroup's columns are an odd number of 8-column blocks (kTransposed).
+  using SmemCopyAtomPdS = Copy_Atom<std::conditional_t<(kBlockN / 2) % 16 == 0, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>,
+                                    Element>;
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kPdSStages>>{}, Step<_2, _1, _3>{})));
   // kSplitKeys: only dS goes through shared memory, written from dS^T accumulators as
@@ -219,8 +270,9 @@ struct BwdKernelTraits {
                 "a warpgroup's dQ half fills one Q (or dO) stage");
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStages>;
-  using PipelinedO = cutlass::PipelineTmaAsync<kStages>;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   using PipelineState = cutlass::PipelineState<kStages>;
+  using PipelineStatedO = cutlass::PipelineState<kStagesdO>;
 
   // Per pipeline stage: the tile and its row statistic (lse beside Q, dPsum beside dO).
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBlockM * sizeof(float);

@@ -105,6 +105,19 @@ CUTLASS_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, Ten
   if constexpr (kAIsRegisters) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
 }
 
+// One 64-row slice of a warpgroup GEMM: the M atom kSlice of this thread's share (mode 1
+// of A and C), so that the slices of one accumulator can be issued, waited for and used
+// one at a time.
+template <bool kZeroInit, int kSlice, class TiledMma, class TensorA, class TensorB, class TensorC>
+CUTLASS_DEVICE void warpgroup_gemm_slice(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB,
+                                         TensorC& tCrC) {
+  constexpr int kSlices = decltype(size<1>(tCrC))::value;
+  static_assert(kSlice < kSlices && decltype(size<1>(tCrA))::value == kSlices);
+  auto tCrA_slice = logical_divide(tCrA, Shape<Underscore, Int<kSlices>>{})(_, make_coord(Int<kSlice>{}, _), _);
+  auto tCrC_slice = logical_divide(tCrC, Shape<Underscore, Int<kSlices>>{})(_, make_coord(Int<kSlice>{}, _), _);
+  warpgroup_gemm<kZeroInit>(tiled_mma, tCrA_slice, tCrB, tCrC_slice);
+}
+
 // The four threads of a quad (lanes 4r .. 4r+3) hold the columns of the same rows.
 template <class Op>
 CUTLASS_DEVICE float quad_allreduce(float x, Op op) {
