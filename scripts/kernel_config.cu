@@ -48,13 +48,13 @@ void fp8() {
               int(K::kThreads));
 }
 
-template <class E, int D, class M, int DV = D>
+template <class E, int D, class M, int DV = D, bool kTransposed = false>
 void bwd(char const* name) {
-  using T = BwdKernelTraits<E, D, M::kIsCausal, DV>;
+  using T = BwdKernelTraits<E, D, M::kIsCausal, DV, kTransposed>;
   using K = FlashBwdKernel<T, M>;
-  std::printf("bwd %s hdim=%d hdim_v=%d causal=%d M=%d N=%d stages=%d blockm_fn=%d smem=%d threads=%d\n", name, D,
-              DV, int(M::kIsCausal), T::kBlockM, T::kBlockN, T::kStages, bwd_block_m(D), int(K::kSharedStorageSize),
-              int(K::kThreads));
+  std::printf("bwd %s hdim=%d hdim_v=%d causal=%d transposed=%d M=%d N=%d stages=%d stages_do=%d blockm_fn=%d "
+              "smem=%d threads=%d\n", name, D, DV, int(M::kIsCausal), int(kTransposed), T::kBlockM, T::kBlockN,
+              T::kStages, T::kStagesdO, bwd_block_m(D), int(K::kSharedStorageSize), int(K::kThreads));
 }
 
 template <class E>
@@ -74,6 +74,7 @@ void all16(char const* n) {
   bwd<E, 192, NoMask>(n); bwd<E, 192, CausalMask>(n);
   bwd<E, 192, NoMask, 128>(n); bwd<E, 192, CausalMask, 128>(n);
   bwd<E, 256, NoMask>(n); bwd<E, 256, CausalMask>(n);
+  bwd<E, 256, NoMask, 256, true>(n); bwd<E, 256, CausalMask, 256, true>(n);
 }
 
 int main() {
