@@ -233,11 +233,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   auto dq_accum = at::zeros({ws_batch, nheads, m_blocks, block_m * headdim}, f32);
   at::Tensor dq_semaphore;
   if (deterministic) { dq_semaphore = at::zeros({ws_batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
-  // GQA: each query head writes its own float32 dK/dV; the heads of a group are summed
-  // below (a fixed order, so deterministic too).
+  // GQA: float32 dK/dV. The query heads of a group add theirs into one zeroed K/V head
+  // with atomics, converted below (against a float32 slice per query head summed by a
+  // second kernel: a quarter of the second pass's reads at 4 query heads per K/V head).
+  // Deterministic mode keeps a slice per query head, summed below in a fixed order.
   bool const gqa = nheads != nheads_k;
+  bool const accumulate = gqa && !deterministic;
+  int64_t const nheads_dkv = accumulate ? nheads_k : nheads;
   auto const f32_heads = [&](int64_t dim) {
-    return partial ? at::zeros({k.size(0), rows_k, nheads, dim}, f32) : at::empty({k.size(0), rows_k, nheads, dim}, f32);
+    return partial || accumulate ? at::zeros({k.size(0), rows_k, nheads_dkv, dim}, f32)
+                                 : at::empty({k.size(0), rows_k, nheads_dkv, dim}, f32);
   };
   at::Tensor dk_heads = gqa ? f32_heads(headdim) : dk;
   at::Tensor dv_heads = gqa ? f32_heads(v.size(3)) : dv;
@@ -257,6 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   set_tensor(params.dk_ptr, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, dk_heads);
   set_tensor(params.dv_ptr, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, dv_heads);
   params.dkv_is_fp32 = gqa;
+  params.dkv_accumulate = accumulate;
   params.dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
   params.lse_log2_ptr = lse_log2.data_ptr<float>();
   params.dpsum_ptr = dpsum.data_ptr<float>();
@@ -274,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
               " (see flash3.build_info()['kernels'])");
   TORCH_CHECK(launch_status == cudaSuccess, "flash3: backward kernel launch failed: ",
               cudaGetErrorString(launch_status));
-  if (gqa) { flash3::api::sum_kv_heads(dk_heads, dv_heads, nheads / nheads_k, dk, dv); }
+  if (gqa) { flash3::api::sum_kv_heads(dk_heads, dv_heads, nheads_dkv / nheads_k, dk, dv); }
   if (options.sinks.has_value()) { dsinks = dsink_rows.sum(at::IntArrayRef{0, 2}); }
   return {dq, dk, dv, dsinks};
 }

@@ -1,7 +1,8 @@
 // The GQA backward's last step: the query heads of a group wrote their dK (or dV) in
-// float32, one slice per query head; sum_kv_heads adds each group's slices in a fixed
-// order and writes the K/V head's gradient in the element type of k. One launch for dK
-// and dV together.
+// float32, one slice per query head (deterministic mode); sum_kv_heads adds each group's
+// slices in a fixed order and writes the K/V head's gradient in the element type of k.
+// With group 1 (the heads already added into one slice per K/V head) it only converts.
+// One launch for dK and dV together.
 #pragma once
 
 #include <ATen/ATen.h>

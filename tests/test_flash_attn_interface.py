@@ -499,12 +499,14 @@ def test_flash_attn_func_matches_flash3_attention_bitwise(seed):
 @pytest.mark.gpu
 def test_window_softcap_sinks_match_flash3_bitwise(seed):
     """The options go to the local-mask kernels unchanged, forward and backward (the
-    sinks' gradient included), through all three functions."""
+    sinks' gradient included), through all three functions. (Deterministic, so that two
+    backward calls can be compared bit for bit: under GQA the query heads add their dK and
+    dV with atomics otherwise.)"""
     if not all(flash3.is_supported(kind, torch.bfloat16, 128, False, mask="local") for kind in ("fwd", "bwd")):
         pytest.skip("bf16 hdim128 local-mask kernels not in this build")
     q, k, v = _cuda_qkv(seed, 2, 300, 500, 8, 2, 128, torch.bfloat16, requires_grad=True)
     sinks = torch.randn(8, device="cuda", requires_grad=True)
-    opts = dict(causal=True, window_size=(100, 0), softcap=20.0)
+    opts = dict(causal=True, window_size=(100, 0), softcap=20.0, deterministic=True)
     out, lse = flash_attn_func(q, k, v, learnable_sink=sinks, return_attn_probs=True, **opts)
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks))
     out3, lse3 = flash3.attention(q, k, v, sinks=sinks, return_lse=True, **opts)

@@ -2,9 +2,9 @@
 // 16-bit outputs are staged in shared memory over K and V (dead by then) and written with
 // one TMA store each, which skips rows past seqlen_k (a packed batch's partial last key
 // tile, whose next rows are the next sequence's, goes straight from the accumulators, as
-// float32 outputs do). Under GQA every query head writes its
-// own float32 dK/dV straight from the accumulators, and the binding sums the heads of a
-// group.
+// float32 outputs do). Under GQA dK and dV are float32: each query head adds its own into
+// its K/V head's with atomics (params.h dkv_accumulate), or, in deterministic mode, writes
+// them to a slice of its own, and the binding sums the heads of a group.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -61,12 +61,14 @@ struct EpilogueBwd {
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     float softmax_scale;
+    int head_group;   // query heads per head of dK and dV: nheads / nheads_k when accumulating, else 1
     bool fp32_out;
+    bool accumulate;  // fp32_out added with atomics (dkv_accumulate)
     bool is_varlen;
   };
 
   static Params to_params(BwdParams const& p) {
-    int const nheads_dkv = p.dkv_is_fp32 ? p.nheads : p.nheads_k;
+    int const nheads_dkv = p.dkv_is_fp32 && !p.dkv_accumulate ? p.nheads : p.nheads_k;
     ShapeRowsHead shape_dkv = rows_head_shape(p.rows_k(), p.headdim, nheads_dkv, p.tensor_batch());
     ShapeRowsHead shape_dv = rows_head_shape(p.rows_k(), p.headdim_v, nheads_dkv, p.tensor_batch());
     return {make_tma_dk(static_cast<Element*>(p.dk_ptr), shape_dkv,
@@ -74,7 +76,9 @@ struct EpilogueBwd {
             make_tma_dv(static_cast<Element*>(p.dv_ptr), shape_dv,
                         rows_head_stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)),
             shape_dkv, p.dk_ptr, p.dv_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-            p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.softmax_scale, p.dkv_is_fp32, p.is_varlen()};
+            p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, p.softmax_scale,
+            p.dkv_accumulate ? p.nheads / p.nheads_k : 1, p.dkv_is_fp32, p.dkv_is_fp32 && p.dkv_accumulate,
+            p.is_varlen()};
   }
 
   // dV has dK's rows, heads and batch, with V's head dim: the device side derives its
@@ -85,7 +89,8 @@ struct EpilogueBwd {
 
   template <class Out, class TensorAcc, class TensorC>
   CUTLASS_DEVICE static void store_one(TensorAcc const& acc_rowcol, TensorC const& coord_rowcol, Out* tile,
-                                       int64_t row_stride, int row0, int seqlen_k, float scale) {
+                                       int64_t row_stride, int row0, int seqlen_k, float scale,
+                                       [[maybe_unused]] bool accumulate) {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_rowcol); ++mi) {
       int const row = row0 + get<0>(coord_rowcol(mi, 0));
@@ -95,6 +100,13 @@ struct EpilogueBwd {
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(acc_rowcol); ni += 2) {
         int const col = get<1>(coord_rowcol(mi, ni));
+        if constexpr (std::is_same_v<Out, float>) {
+          if (accumulate) {
+            atomicAdd(reinterpret_cast<float2*>(out_row + col),
+                      make_float2(acc_rowcol(mi, ni) * scale, acc_rowcol(mi, ni + 1) * scale));
+            continue;
+          }
+        }
         cutlass::Array<Out, 2> pair;
         pair[0] = static_cast<Out>(acc_rowcol(mi, ni) * scale);
         pair[1] = static_cast<Out>(acc_rowcol(mi, ni + 1) * scale);
@@ -199,9 +211,10 @@ struct EpilogueBwd {
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);
     int const row0 = n_block * kBlockN;
     int const rows = min(seq.seqlen_k - row0, kBlockN);
-    int64_t const dk_offset = seq.batch * params.dk_batch_stride + head * params.dk_head_stride +
+    int const head_dkv = head / params.head_group;
+    int64_t const dk_offset = seq.batch * params.dk_batch_stride + head_dkv * params.dk_head_stride +
                               (int64_t(seq.offset_k) + row0) * params.dk_row_stride;
-    int64_t const dv_offset = seq.batch * params.dv_batch_stride + head * params.dv_head_stride +
+    int64_t const dv_offset = seq.batch * params.dv_batch_stride + head_dkv * params.dv_head_stride +
                               (int64_t(seq.offset_k) + row0) * params.dv_row_stride;
     auto copy_out = [&](float const* src, auto* dst, int64_t row_stride) {
       using Out = std::remove_pointer_t<decltype(dst)>;
@@ -210,6 +223,12 @@ struct EpilogueBwd {
         int const row = chunk / kChunksPerRow;
         int const col = chunk % kChunksPerRow * 4;
         float4 const v = *reinterpret_cast<float4 const*>(src + row * kHeadDim + col);
+        if constexpr (std::is_same_v<Out, float>) {
+          if (params.accumulate) {
+            atomicAdd(reinterpret_cast<float4*>(dst + row * row_stride + col), v);
+            continue;
+          }
+        }
         cutlass::Array<Out, 4> out;
         out[0] = static_cast<Out>(v.x);
         out[1] = static_cast<Out>(v.y);
@@ -233,10 +252,11 @@ struct EpilogueBwd {
     auto thr_mma_dk = typename Traits::TiledMmadK{}.get_thread_slice(thread_idx);
     auto thr_mma_dv = typename Traits::TiledMmadV{}.get_thread_slice(thread_idx);
     int const row0 = n_block * kBlockN;
-    int64_t const dk_offset =
-        seq.batch * params.dk_batch_stride + head * params.dk_head_stride + int64_t(seq.offset_k) * params.dk_row_stride;
-    int64_t const dv_offset =
-        seq.batch * params.dv_batch_stride + head * params.dv_head_stride + int64_t(seq.offset_k) * params.dv_row_stride;
+    int const head_dkv = head / params.head_group;
+    int64_t const dk_offset = seq.batch * params.dk_batch_stride + head_dkv * params.dk_head_stride +
+                              int64_t(seq.offset_k) * params.dk_row_stride;
+    int64_t const dv_offset = seq.batch * params.dv_batch_stride + head_dkv * params.dv_head_stride +
+                              int64_t(seq.offset_k) * params.dv_row_stride;
     Tensor tdKcdK = thr_mma_dk.partition_C(make_identity_tensor(TileShapedK{}));
     Tensor tdVcdV = thr_mma_dv.partition_C(make_identity_tensor(TileShapedV{}));
     Tensor coord_rowcol_dk = make_tensor(tdKcdK.data(), accumulator_rowcol(tdKcdK.layout()));
@@ -245,14 +265,14 @@ struct EpilogueBwd {
     Tensor dV_rowcol = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
     if (params.fp32_out) {
       store_one(dK_rowcol, coord_rowcol_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                seq.seqlen_k, params.softmax_scale);
+                seq.seqlen_k, params.softmax_scale, params.accumulate);
       store_one(dV_rowcol, coord_rowcol_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                seq.seqlen_k, 1.f);
+                seq.seqlen_k, 1.f, params.accumulate);
     } else {
       store_one(dK_rowcol, coord_rowcol_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                seq.seqlen_k, params.softmax_scale);
+                seq.seqlen_k, params.softmax_scale, false);
       store_one(dV_rowcol, coord_rowcol_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                seq.seqlen_k, 1.f);
+                seq.seqlen_k, 1.f, false);
     }
   }
 };

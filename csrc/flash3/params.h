@@ -130,9 +130,11 @@ constexpr int bwd_block_m(int headdim) { return headdim == 64 ? 128 : 64; }
 // fp32 workspaces the binding allocates.
 struct BwdParams : FwdParams {
   // dout like o (the binding makes it TMA-readable); dq like q; dk, dv: (batch, seqlen_k,
-  // nheads_dkv, headdim / headdim_v), where nheads_dkv is nheads_k, or nheads under GQA: then every
-  // query head writes its own dK/dV in float32 (dkv_is_fp32) and the binding sums the
-  // heads of a group, in a fixed order.
+  // nheads_dkv, headdim / headdim_v), where nheads_dkv is nheads_k, or under GQA float32
+  // (dkv_is_fp32): in deterministic mode nheads, every query head writing its own dK/dV,
+  // which the binding sums over a group in a fixed order; otherwise nheads_k, zeroed, the
+  // query heads of a group adding theirs with float32 atomics (dkv_accumulate), and the
+  // binding converts them.
   void const* do_ptr = nullptr;
   void* dq_ptr = nullptr;
   void* dk_ptr = nullptr;
@@ -144,6 +146,7 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
   bool dkv_is_fp32 = false;
+  bool dkv_accumulate = false;  // with dkv_is_fp32
 
   // Workspaces, float32. lse_log2 and dpsum: (batch, nheads, seqlen_q_padded), written by
   // the preprocess kernel; dq_accum: (batch, nheads, m_blocks, bwd_block_m(headdim) * headdim),
