@@ -89,8 +89,7 @@ struct EpilogueBwd {
 
   template <class Out, class TensorAcc, class TensorC>
   CUTLASS_DEVICE static void store_one(TensorAcc const& acc_rowcol, TensorC const& coord_rowcol, Out* tile,
-                                       int64_t row_stride, int row0, int seqlen_k, float scale,
-                                       [[maybe_unused]] bool accumulate) {
+                                       int64_t row_stride, int row0, int seqlen_k, float scale) {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_rowcol); ++mi) {
       int const row = row0 + get<0>(coord_rowcol(mi, 0));
@@ -100,13 +99,6 @@ struct EpilogueBwd {
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(acc_rowcol); ni += 2) {
         int const col = get<1>(coord_rowcol(mi, ni));
-        if constexpr (std::is_same_v<Out, float>) {
-          if (accumulate) {
-            atomicAdd(reinterpret_cast<float2*>(out_row + col),
-                      make_float2(acc_rowcol(mi, ni) * scale, acc_rowcol(mi, ni + 1) * scale));
-            continue;
-          }
-        }
         cutlass::Array<Out, 2> pair;
         pair[0] = static_cast<Out>(acc_rowcol(mi, ni) * scale);
         pair[1] = static_cast<Out>(acc_rowcol(mi, ni + 1) * scale);
@@ -117,22 +109,30 @@ struct EpilogueBwd {
 
   // smem_k, smem_v: the CTA's K and V tiles, which both consumer warpgroups have finished
   // reading once they pass the first barrier below.
-  // smem_q: the Q and dO stages (dead too), used by store_transposed_via_smem.
+  // smem_q: the Q and dO stages (dead too), used by store_through_smem.
+  // Where float32 dK and dV go through shared memory: the transposed kernels (always), and
+  // those whose dQ has a buffer of its own (with dQ over the Q/dO stages, the dQ warp may
+  // still be reading the last tile's there). The others (hdim 256 in deterministic mode)
+  // store them from the accumulators, and never accumulate (params.h dkv_accumulate).
+  static constexpr bool kFloat32ThroughSmem = kTransposed || Traits::kDqViaSmem;
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void store(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV, Element* smem_k,
                                    Element* smem_v, Element* smem_q, int thread_idx, int n_block, int head,
                                    Seq const& seq) {
-    if (params.fp32_out || (params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k)) {
-      // (In a packed batch the rows past the sequence's last key are the next sequence's.)
-      if constexpr (kTransposed) {
-        store_transposed_via_smem(params, tdKrdK, tdVrdV, reinterpret_cast<float*>(smem_q),
-                                  reinterpret_cast<float*>(smem_k), thread_idx, n_block, head, seq);
-      } else {
-        store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
-      }
-    } else {
-      store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, seq);
+    // (In a packed batch the rows past the sequence's last key are the next sequence's.)
+    bool const partial_tile = params.is_varlen && (n_block + 1) * kBlockN > seq.seqlen_k;
+    if ((kFloat32ThroughSmem && params.fp32_out) || (kTransposed && partial_tile)) {
+      store_through_smem(params, tdKrdK, tdVrdV, reinterpret_cast<float*>(smem_q), reinterpret_cast<float*>(smem_k),
+                         thread_idx, n_block, head, seq);
+      return;
     }
+    if constexpr (!kTransposed) {
+      if (params.fp32_out || partial_tile) {
+        store_direct(params, tdKrdK, tdVrdV, thread_idx, n_block, head, seq);
+        return;
+      }
+    }
+    store_tma(params, tdKrdK, tdVrdV, smem_k, smem_v, thread_idx, n_block, head, seq);
   }
 
   template <class TensordK, class TensordV>
@@ -181,33 +181,40 @@ struct EpilogueBwd {
     }
   }
 
-  // kTransposed, float32 outputs or a packed sequence's partial last key tile: dK^T and
-  // dV^T go to shared memory as float32 (keys, d) tiles, dK's over the Q and dO stages and
-  // dV's over K and V (80 KB each), then to global memory 16 bytes of a row per thread,
-  // skipping rows past seqlen_k. (Element by element straight from the accumulators, the
-  // row addresses spilled.)
+  // dK and dV as float32 (keys, d) tiles in shared memory, dK's over the Q and dO stages
+  // and dV's over K and V, then to global memory 16 bytes of a row per thread (a warp's
+  // 512 contiguous bytes), skipping rows past seqlen_k: float32 outputs (added with float4
+  // atomics when accumulating GQA heads), and the transposed kernels' partial tiles. (From
+  // the accumulators, the transposed kernels' row addresses spilled, and the others add a
+  // pair of elements per 8-byte atomic.)
   template <class TensordK, class TensordV>
-  CUTLASS_DEVICE static void store_transposed_via_smem(Params const& params, TensordK const& tdKrdK,
-                                                       TensordV const& tdVrdV, float* smem_dk, float* smem_dv,
-                                                       int thread_idx, int n_block, int head, Seq const& seq) {
-    static_assert(kTransposed && kHeadDimV == kHeadDim);
+  CUTLASS_DEVICE static void store_through_smem(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV,
+                                                float* smem_dk, float* smem_dv, int thread_idx, int n_block, int head,
+                                                Seq const& seq) {
     constexpr int kConsumerThreads = Traits::kConsumerThreads;
-    static_assert(kBlockN * kHeadDim * sizeof(float) <= 2 * cute::cosize_v<typename Traits::SmemLayoutK> * sizeof(Element),
-                  "dV's float32 tile fits over K and V");
     static_assert(kBlockN * kHeadDim * sizeof(float) <=
                       (cute::cosize_v<typename Traits::SmemLayoutQ> + cute::cosize_v<typename Traits::SmemLayoutdO>) *
                           sizeof(Element),
                   "dK's float32 tile fits over the Q and dO stages");
-    // Both warpgroups' last GEMMs (which read K, Q and dO) are done.
+    static_assert(kBlockN * kHeadDimV * sizeof(float) <=
+                      (cute::cosize_v<typename Traits::SmemLayoutK> + cute::cosize_v<typename Traits::SmemLayoutV>) *
+                          sizeof(Element),
+                  "dV's float32 tile fits over K and V");
+    // Both warpgroups' last GEMMs (which read K, V, Q and dO) are done.
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);  // LOCK Q, dO, K, V
-    auto thr_mma_dk = typename Traits::TiledMmadK{}.get_thread_slice(thread_idx);
-    Tensor tdKcdK = thr_mma_dk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedK{})));  // (d, key)
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      int const offset = get<1>(tdKcdK(i)) * kHeadDim + get<0>(tdKcdK(i));
-      smem_dk[offset] = tdKrdK(i) * params.softmax_scale;
-      smem_dv[offset] = tdVrdV(i);
-    }
+    // Accumulator coordinates: (key, column), or (column, key) transposed.
+    auto stage = [&](auto const& acc, auto const& tiled_mma, auto tile_shape, float* tile, int columns, float scale) {
+      Tensor coord = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(tile_shape));
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) {
+        int const key = kTransposed ? get<1>(coord(i)) : get<0>(coord(i));
+        int const column = kTransposed ? get<0>(coord(i)) : get<1>(coord(i));
+        tile[key * columns + column] = acc(i) * scale;
+      }
+    };
+    stage(tdKrdK, typename Traits::TiledMmadK{}, select<0, 1>(typename Traits::TileShapedK{}), smem_dk, kHeadDim,
+          params.softmax_scale);
+    stage(tdVrdV, typename Traits::TiledMmadV{}, select<0, 1>(typename Traits::TileShapedV{}), smem_dv, kHeadDimV, 1.f);
     named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);
     int const row0 = n_block * kBlockN;
     int const rows = min(seq.seqlen_k - row0, kBlockN);
@@ -216,13 +223,13 @@ struct EpilogueBwd {
                               (int64_t(seq.offset_k) + row0) * params.dk_row_stride;
     int64_t const dv_offset = seq.batch * params.dv_batch_stride + head_dkv * params.dv_head_stride +
                               (int64_t(seq.offset_k) + row0) * params.dv_row_stride;
-    auto copy_out = [&](float const* src, auto* dst, int64_t row_stride) {
+    auto copy_out = [&](float const* src, auto* dst, int64_t row_stride, int columns) {
       using Out = std::remove_pointer_t<decltype(dst)>;
-      constexpr int kChunksPerRow = kHeadDim / 4;
-      for (int chunk = thread_idx; chunk < rows * kChunksPerRow; chunk += kConsumerThreads) {
-        int const row = chunk / kChunksPerRow;
-        int const col = chunk % kChunksPerRow * 4;
-        float4 const v = *reinterpret_cast<float4 const*>(src + row * kHeadDim + col);
+      int const chunks_per_row = columns / 4;
+      for (int chunk = thread_idx; chunk < rows * chunks_per_row; chunk += kConsumerThreads) {
+        int const row = chunk / chunks_per_row;
+        int const col = chunk % chunks_per_row * 4;
+        float4 const v = *reinterpret_cast<float4 const*>(src + row * columns + col);
         if constexpr (std::is_same_v<Out, float>) {
           if (params.accumulate) {
             atomicAdd(reinterpret_cast<float4*>(dst + row * row_stride + col), v);
@@ -238,11 +245,11 @@ struct EpilogueBwd {
       }
     };
     if (params.fp32_out) {
-      copy_out(smem_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride);
-      copy_out(smem_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride);
+      copy_out(smem_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, kHeadDim);
+      copy_out(smem_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, kHeadDimV);
     } else {
-      copy_out(smem_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride);
-      copy_out(smem_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride);
+      copy_out(smem_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, kHeadDim);
+      copy_out(smem_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, kHeadDimV);
     }
   }
 
@@ -265,14 +272,14 @@ struct EpilogueBwd {
     Tensor dV_rowcol = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
     if (params.fp32_out) {
       store_one(dK_rowcol, coord_rowcol_dk, static_cast<float*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                seq.seqlen_k, params.softmax_scale, params.accumulate);
+                seq.seqlen_k, params.softmax_scale);
       store_one(dV_rowcol, coord_rowcol_dv, static_cast<float*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                seq.seqlen_k, 1.f, params.accumulate);
+                seq.seqlen_k, 1.f);
     } else {
       store_one(dK_rowcol, coord_rowcol_dk, static_cast<Element*>(params.dk_ptr) + dk_offset, params.dk_row_stride, row0,
-                seq.seqlen_k, params.softmax_scale, false);
+                seq.seqlen_k, params.softmax_scale);
       store_one(dV_rowcol, coord_rowcol_dv, static_cast<Element*>(params.dv_ptr) + dv_offset, params.dv_row_stride, row0,
-                seq.seqlen_k, 1.f, false);
+                seq.seqlen_k, 1.f);
     }
   }
 };

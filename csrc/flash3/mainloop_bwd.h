@@ -77,6 +77,12 @@ struct MainloopBwd {
     return replace<1>(shape, int32_t(kHeadDimV));
   }
 
+  // smem_q and smem_do, and smem_k and smem_v, are adjacent (every tile a multiple of 1 KB):
+  // the epilogue stages float32 dK over the first pair and dV over the second
+  // (epilogue_bwd.h store_through_smem).
+  static_assert(cute::cosize_v<SmemLayoutQ> * sizeof(Element) % 1024 == 0 &&
+                    cute::cosize_v<SmemLayoutK> * sizeof(Element) % 1024 == 0,
+                "smem_do follows smem_q and smem_v follows smem_k with no padding");
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> smem_do;
