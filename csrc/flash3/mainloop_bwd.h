@@ -101,10 +101,10 @@ struct MainloopBwd {
     // because a warpgroup may hand over the next tile before the dQ warp has taken this
     // one. One per warpgroup, so that neither waits for the other's dQ.
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_full[Traits::kStages][Traits::kConsumerWarpgroups];
-    // Without kDqViaSmem: the dQ half over Q stage s ([s][0], warpgroup 0's) or over dO
+    // kDqOverStages: the dQ half over Q stage s ([s][0], warpgroup 0's) or over dO
     // stage s ([s][1]) has been read by the dQ warp's bulk reduction: the producer refills
     // the stage after it. One per half, so that Q is refilled while the second half is read.
-    static constexpr int kDqReadBarriers = Traits::kDqViaSmem ? 1 : 2;  // (unused with kDqViaSmem)
+    static constexpr int kDqReadBarriers = Traits::kDqViaSmem ? 1 : 2;  // (used only with kDqOverStages)
     alignas(16) cutlass::arch::ClusterBarrier barrier_dq_read[Traits::kStages][kDqReadBarriers];
     // kSplitKeys: both consumer warpgroups' halves of dS^T are in buffer b (every consumer
     // thread arrives).
@@ -372,7 +372,7 @@ struct MainloopBwd {
                                             Seq const& seq);
 
   // Hands this warpgroup's half of a query tile's dQ (d / 2 columns, float32) to the dQ
-  // warp through its own shared-memory buffer (kDqViaSmem; without it, see
+  // warp through its own shared-memory buffer (kDqViaSmem; with kDqOverStages, see
   // hand_over_dq_over_stages). stage_q names the hand-over's barrier.
   template <bool kPublish = true, class TensordQ>
   CUTLASS_DEVICE static void hand_over_dq(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
@@ -388,20 +388,20 @@ struct MainloopBwd {
     }
     if constexpr (kPublish) { publish_dq(storage, thread_idx, stage_q); }
   }
-  // Without kDqViaSmem: where warpgroup w's half goes, the Q stage (w = 0) or the dO stage,
+  // kDqOverStages: where warpgroup w's half goes, the Q stage (w = 0) or the dO stage,
   // as float4s indexed by dq_float4_index.
   CUTLASS_DEVICE static float4* dq_half_over_stages(SharedStorage& storage, int warpgroup, int stage_q, int stage_do) {
     Element* stage = warpgroup == 0 ? storage.smem_q.data() + stage_q * kStageElements
                                     : storage.smem_do.data() + stage_do * kStageElements;
     return reinterpret_cast<float4*>(stage) - warpgroup * Traits::kDqHalfFloat4s;
   }
-  // Without kDqViaSmem: this warpgroup's half over the tile's Q stage (warpgroup 0) or dO
+  // kDqOverStages: this warpgroup's half over the tile's Q stage (warpgroup 0) or dO
   // stage (warpgroup 1), the caller having made sure that no GEMM reads that stage any
   // more (mma_lockstep); the producer refills it only after the dQ warp's read.
   template <class TensordQ>
   CUTLASS_DEVICE static void hand_over_dq_over_stages(SharedStorage& storage, TensordQ const& tdQrdQ, int thread_idx,
                                                       int stage_q, int stage_do) {
-    static_assert(!Traits::kDqViaSmem);
+    static_assert(Traits::kDqOverStages);
     float4* sdQ = dq_half_over_stages(storage, thread_idx / cutlass::NumThreadsPerWarpGroup, stage_q, stage_do);
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 4) {
@@ -436,14 +436,14 @@ struct MainloopBwd {
                                             Seq const& seq);
 
   static constexpr int kDqBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
-  // One Q stage; stage s starts s of these into smem_q. Without kDqViaSmem, dQ halves go
+  // One Q stage; stage s starts s of these into smem_q. With kDqOverStages, dQ halves go
   // over dO stages too, which are then as large (kHeadDimV == kHeadDim, traits_bwd.h).
   static constexpr int kStageElements = kBlockM * kHeadDim;
   static_assert(cute::cosize_v<SmemLayoutQ> == Traits::kStages * kStageElements);
   static_assert(!Traits::kDqOverStages || cute::cosize_v<SmemLayoutdO> == Traits::kStages * kStageElements);
 
   // The dQ warp (dq_writer_bwd.h).
-  // Without kDqViaSmem the dO half (warpgroup 1's) is handed over first (mma_lockstep).
+  // With kDqOverStages the dO half (warpgroup 1's) is handed over first (mma_lockstep).
   static constexpr int kFirstHalf = Traits::kDqViaSmem ? 0 : 1;
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, int n_block, int head,
                                       Seq const& seq);
