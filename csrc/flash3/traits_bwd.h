@@ -86,11 +86,12 @@ struct BwdKernelTraits {
   // warp of the producer warpgroup (the dQ warp) with bulk reductions from shared memory
   // (cp.reduce.async.bulk), so the consumers never wait on atomics. The consumers drop
   // the tile in a buffer of its own (kDqViaSmem: kBlockM * d * 4 bytes), or, where shared
-  // memory is short (hdim 256), over the tile's Q and dO stages once their GEMMs are done:
-  // each warpgroup's half of dQ, kBlockM * d/2 floats, is exactly the size of one stage
-  // (kBlockM * d 16-bit values); the producer then refills a stage only after the dQ
-  // warp has read it. (Consumer-side float4 atomics instead were measured 15-20% slower
-  // at hdim 64/128 and 2x slower at hdim 256.)
+  // memory is short (hdim 256 in deterministic mode, kDqOverStages), over the tile's Q and
+  // dO stages once their GEMMs are done: each warpgroup's half of dQ, kBlockM * d/2
+  // floats, is exactly the size of one stage (kBlockM * d 16-bit values); the producer
+  // then refills a stage only after the dQ warp has read it. (Consumer-side float4 atomics
+  // instead were measured 15-20% slower at hdim 64/128 and 2x slower at hdim 256 in the
+  // 64-key layout; the transposed one issues them per 64-row slice under the next GEMM.)
   static constexpr bool kDqViaSmem = kHeadDim != 256;
   static constexpr bool kDqOverStages = kHeadDim == 256 && !kTransposed;
   // kTransposed: the consumers add dQ^T with float4 atomics (no dQ warp).
