@@ -115,9 +115,9 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < cute::size(tdQcdQ); i += 4) {
     float4 const a = tile[Traits::dq_float4_index(i, tid)];
+    float const values[4] = {a.x, a.y, a.z, a.w};
     if constexpr (Traits::kTransposed) {
       // dQ^T: coordinates (col, row), one element at a time.
-      float const values[4] = {a.x, a.y, a.z, a.w};
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 4; ++e) {
         int const row = cute::get<1>(tdQcdQ(i + e));
@@ -126,7 +126,6 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads) bwd_postprocess_kern
       }
       continue;
     }
-    float const values[4] = {a.x, a.y, a.z, a.w};
     // Elements (i, i + 1) and (i + 2, i + 3) are pairs of adjacent columns of one row.
     CUTLASS_PRAGMA_UNROLL
     for (int pair = 0; pair < 2; ++pair) {
