@@ -2,7 +2,8 @@
 """Variable-length (packed) batches: flash3.attention_varlen beside FlashAttention-3's varlen call.
 
 Two grids, bf16, all timed as kernels (each call captured ten times in a CUDA graph, the
-graph replayed; median over replays / 10), forward and backward (the backward op alone,
+graph replayed; median over replays / 10; the implementations of a cell timed in turns,
+`--passes` times in alternating order, the median reported), forward and backward (the backward op alone,
 on the forward's saved outputs):
 
 * equal: the paper grid (16k tokens, hidden 2048, hdim 64/128/256, causal or not, 512 to
@@ -183,7 +184,23 @@ def measure(fn):
         return None
 
 
-def grid_equal(impl, hdims, seqlens, causals):
+def measure_in_turns(fns, passes):
+    """({name: milliseconds}, {name: [milliseconds per pass]}) for the functions compared in
+    one cell: each timed once per pass, in the given order in even passes and in reverse in
+    odd ones; the median over the passes.
+    A function timed right after a heavy one runs on a GPU that has just been drawing
+    full power; rotating the order keeps that from always falling on the same side."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for p in range(passes):
+        for name in (names if p % 2 == 0 else names[::-1]):
+            ms = measure(fns[name])
+            if ms is not None:
+                times[name].append(ms)
+    return {name: (statistics.median(t) if t else None) for name, t in times.items()}, times
+
+
+def grid_equal(impl, hdims, seqlens, causals, passes=2):
     rows = []
     for d in hdims:
         h = HIDDEN // d
@@ -196,15 +213,16 @@ def grid_equal(impl, hdims, seqlens, causals):
                 scale = d ** -0.5
                 flop = 4.0 * b * h * d * pairs(s, s, causal)
                 row = {"hdim": d, "causal": causal, "seqlen": s, "batch": b}
-                fwd, bwd = dense_fns(q, k, v, causal, scale)
-                row["dense_fwd_ms"], row["dense_bwd_ms"] = measure(fwd), measure(bwd)
+                fns = {}
+                fns["dense_fwd"], fns["dense_bwd"] = dense_fns(q, k, v, causal, scale)
                 cu = cu_of([s] * b)
                 qp, kp, vp = (t.flatten(0, 1) for t in (q, k, v))
-                fwd, bwd = varlen_fns(impl, "flash3", qp, kp, vp, cu, s, causal, scale)
-                row["varlen_fwd_ms"], row["varlen_bwd_ms"] = measure(fwd), measure(bwd)
+                fns["varlen_fwd"], fns["varlen_bwd"] = varlen_fns(impl, "flash3", qp, kp, vp, cu, s, causal, scale)
                 if impl.fa3 is not None:
-                    fwd, bwd = varlen_fns(impl, "fa3", qp, kp, vp, cu, s, causal, scale)
-                    row["fa3_fwd_ms"], row["fa3_bwd_ms"] = measure(fwd), measure(bwd)
+                    fns["fa3_fwd"], fns["fa3_bwd"] = varlen_fns(impl, "fa3", qp, kp, vp, cu, s, causal, scale)
+                for kind in ("fwd", "bwd"):
+                    ms, _ = measure_in_turns({k_: f for k_, f in fns.items() if k_.endswith(kind)}, passes)
+                    row.update({f"{k_}_ms": t for k_, t in ms.items()})
                 for key in [k_ for k_ in row if k_.endswith("_ms")]:
                     kind = "bwd" if "bwd" in key else "fwd"
                     row[key.replace("_ms", "_tflops")] = tflops(flop * (BWD_FLOP_FACTOR if kind == "bwd" else 1),
@@ -233,7 +251,7 @@ def _line_equal(r):
             f"/fa3 {ratio_cell(r['varlen_bwd_tflops'], r.get('fa3_bwd_tflops'))}")
 
 
-def grid_mix(impl, hdims, causals, total=65536, seed=0):
+def grid_mix(impl, hdims, causals, total=65536, seed=0, passes=2):
     lengths = long_tailed_lengths(total, seed=seed)
     rows = []
     for d in hdims:
@@ -247,32 +265,40 @@ def grid_mix(impl, hdims, causals, total=65536, seed=0):
             scale = d ** -0.5
             flop = 4.0 * h * d * sum(pairs(n, n, causal) for n in lengths)
             row = {"hdim": d, "causal": causal, "sequences": len(lengths), "longest": longest, "tokens": total}
+            fns = {}
             for name in ("flash3", "fa3"):
                 if name == "fa3" and impl.fa3 is None:
                     continue
-                fwd, bwd = varlen_fns(impl, name, q, k, v, cu, longest, causal, scale)
-                row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = measure(fwd), measure(bwd)
-            # The padded batch (batch, longest, h, d); only its time matters here.
-            pad_tokens = len(lengths) * longest
-            if pad_tokens * h * d * 2 * 3 < 24e9:
-                qd, kd, vd = (torch.randn(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16)
-                              for _ in range(3))
-                fwd, bwd = dense_fns(qd, kd, vd, causal, scale)
-                row["flash3_padded_fwd_ms"], row["flash3_padded_bwd_ms"] = measure(fwd), measure(bwd)
-                fwd, _ = sdpa_fns(qd, kd, vd, causal)
-                row["sdpa_padded_fwd_ms"] = measure(fwd)
-                del qd, kd, vd
-            for key in [k_ for k_ in row if k_.endswith("_ms")]:
-                kind = "bwd" if "bwd" in key else "fwd"
-                row[key.replace("_ms", "_tflops")] = tflops(flop * (BWD_FLOP_FACTOR if kind == "bwd" else 1),
-                                                            row[key])
+                fns[f"{name}_fwd"], fns[f"{name}_bwd"] = varlen_fns(impl, name, q, k, v, cu, longest, causal, scale)
+            for kind in ("fwd", "bwd"):
+                ms, per_pass = measure_in_turns({k_: f for k_, f in fns.items() if k_.endswith(kind)}, passes)
+                row.update({f"{k_}_ms": t for k_, t in ms.items()})
+                row.update({f"{k_}_ms_passes": t for k_, t in per_pass.items()})
+            row["flop"] = flop
             rows.append(row)
-            print(f"  mix hdim {d:3d} {'causal' if causal else 'full  '}: "
-                  f"fwd flash3 {cell(row['flash3_fwd_tflops'])} fa3 {cell(row.get('fa3_fwd_tflops'))} "
-                  f"({ratio_cell(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'))})"
-                  f"  bwd flash3 {cell(row['flash3_bwd_tflops'])} fa3 {cell(row.get('fa3_bwd_tflops'))} "
-                  f"({ratio_cell(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'))})", flush=True)
-            del q, k, v
+            del q, k, v, fns
+    # The padded batch (batch, longest, h, d), after every packed comparison: these calls
+    # run for up to 200 ms each, and the GPU runs slower for a while after them.
+    for row in rows:
+        d, causal, longest, h = row["hdim"], row["causal"], row["longest"], HIDDEN // row["hdim"]
+        pad_tokens = len(lengths) * longest
+        if pad_tokens * h * d * 2 * 3 < 24e9:
+            qd, kd, vd = (torch.randn(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(3))
+            fwd, bwd = dense_fns(qd, kd, vd, causal, d ** -0.5)
+            row["flash3_padded_fwd_ms"], row["flash3_padded_bwd_ms"] = measure(fwd), measure(bwd)
+            fwd, _ = sdpa_fns(qd, kd, vd, causal)
+            row["sdpa_padded_fwd_ms"] = measure(fwd)
+            del qd, kd, vd
+        flop = row.pop("flop")
+        for key in [k_ for k_ in row if k_.endswith("_ms")]:
+            kind = "bwd" if "bwd" in key else "fwd"
+            row[key.replace("_ms", "_tflops")] = tflops(flop * (BWD_FLOP_FACTOR if kind == "bwd" else 1), row[key])
+        print(f"  mix hdim {d:3d} {'causal' if causal else 'full  '}: "
+              f"fwd flash3 {cell(row['flash3_fwd_tflops'])} fa3 {cell(row.get('fa3_fwd_tflops'))} "
+              f"({ratio_cell(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'))})"
+              f"  bwd flash3 {cell(row['flash3_bwd_tflops'])} fa3 {cell(row.get('fa3_bwd_tflops'))} "
+              f"({ratio_cell(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'))})", flush=True)
     return rows, lengths
 
 
@@ -325,6 +351,8 @@ def main(argv=None):
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--grids", default="mix,equal")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="timings per call and cell, in alternating order; the median is reported")
     args = ap.parse_args(argv)
     hdims = [int(x) for x in args.hdims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
@@ -332,10 +360,10 @@ def main(argv=None):
     data = results_header(impl)
     grids = args.grids.split(",")
     if "mix" in grids:
-        data["mix"], lengths = grid_mix(impl, hdims, [False, True])
+        data["mix"], lengths = grid_mix(impl, hdims, [False, True], passes=args.passes)
         data["mix_sequences"], data["mix_lengths"] = len(lengths), lengths
     if "equal" in grids:
-        data["equal"] = grid_equal(impl, hdims, seqlens, [False, True])
+        data["equal"] = grid_equal(impl, hdims, seqlens, [False, True], passes=args.passes)
     write_results(args.out_dir, args.tag, data, markdown(data))
     return 0
 
