@@ -107,8 +107,10 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
   Tensor rdSt = make_tensor<Element>(partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdPt{})).layout());
   PipelineState previous_q = read_q;  // the Q stage dK of the previous tile reads
 
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int t = 0; t < n_tiles; ++t) {
+  // Query tile t of the key tile. masked_tile: cute::true_type or false_type, whether some
+  // score of the tile is masked (the tiles under no mask run a copy of the loop without
+  // the mask's code: kSeparateMaskedTiles), or TestMaskPerTile (one loop).
+  auto query_tile = [&](int t, auto masked_tile) __attribute__((always_inline)) {
     int const m_block = m_begin + t;
     if constexpr (Traits::kDqSplitRows) {
       // Both read states follow from the loop counter (the Q and dO pipelines start with
@@ -156,7 +158,11 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
     warpgroup_wait<1>();
     warpgroup_fence_operand(tStrSt);
     apply_softcap(params, tStrSt_rowcol);
-    if (policy.needs_mask(m_block, n_block)) {
+    if constexpr (std::is_same_v<decltype(masked_tile), TestMaskPerTile>) {
+      if (policy.needs_mask(m_block, n_block)) {
+        policy.apply_transposed(tStrSt_rowcol, tStcSt_rowcol, m_block, n_block);
+      }
+    } else if constexpr (decltype(masked_tile)::value) {
       policy.apply_transposed(tStrSt_rowcol, tStcSt_rowcol, m_block, n_block);
     }
     CUTE_UNROLL
@@ -228,6 +234,18 @@ CUTLASS_DEVICE void MainloopBwd<Traits, Mask>::mma_split_keys(Params const& para
       ++read_q;
       ++read_do;
     }
+  };
+  if constexpr (Mask::kIsLocal || !Traits::kSeparateMaskedTiles) {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; t < n_tiles; ++t) { query_tile(t, TestMaskPerTile{}); }
+  } else {
+    // The masked tiles first (the diagonal's; all of them on the keys' last, partial tile),
+    // then the rest (mask.h masked_prefix).
+    int const t_unmasked = policy.masked_prefix(n_block, m_begin, m_end);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; t < t_unmasked; ++t) { query_tile(t, cute::true_type{}); }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = t_unmasked; t < n_tiles; ++t) { query_tile(t, cute::false_type{}); }
   }
   if constexpr (kDkIntoNextTurn) {
     warpgroup_wait<0>();  // dK of the last tile

@@ -55,9 +55,6 @@ struct MainloopFwd {
   using OperandP = flash3::OperandP<Element, typename Traits::TileShapePV, kTransposeV>;  // operand_p.h
 
   using Loads = FwdLoadsTma<Traits>;  // tma.h; for e4m3 V is staged with K's layout, then transposed
-  // mma's key-tile iteration: whether a tile is masked is tested at run time (mask.h needs_mask).
-  struct TestMaskPerTile {};
-
   static constexpr int kQStages = Traits::kQStages;
   static constexpr int kQStageElements = cute::cosize_v<SmemLayoutQ>;
 

@@ -79,6 +79,10 @@ struct RowsPerQuery {
   }
 };
 
+// A mainloop's tile iteration whose masking is tested at run time (needs_mask), where
+// the others are compiled for masked tiles (cute::true_type) or unmasked ones (false_type).
+struct TestMaskPerTile {};
+
 template <class Mask, int kBlockM, int kBlockN>
 struct MaskPolicy {
   int seqlen_q;  // query rows
@@ -168,6 +172,16 @@ struct MaskPolicy {
       while (end > n_begin && needs_mask(m_block, end - 1)) { --end; }
     }
     return end;
+  }
+
+  // Causal and no mask, the backward: of the query tiles [m_begin, m_end) that see key tile
+  // n_block, walked upwards, the masked ones are a prefix (the diagonal's, or every tile
+  // when n_block holds the keys' end); its length.
+  CUTLASS_HOST_DEVICE int masked_prefix(int n_block, int m_begin, int m_end) const {
+    static_assert(!Mask::kIsLocal, "the local kernels test each query tile");
+    int m = m_begin;
+    while (m < m_end && needs_mask(m, n_block)) { ++m; }
+    return m - m_begin;
   }
 
   // The visible keys [col_begin, col_end) of query row `row`, in keys.

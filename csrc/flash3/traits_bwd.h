@@ -107,6 +107,12 @@ struct BwdKernelTraits {
   // through shared memory with a barrier each: the two warpgroups run in lockstep.)
   // Registers at hdim 128: dK + dV 128, S^T + dP^T 64, dQ 32.
   static constexpr bool kSplitKeys = kHeadDim <= 128;
+  // The causal and unmasked split-keys loop in two copies, the masked query tiles (the
+  // diagonal's, a partial last key tile's) with the mask's code and the others without it
+  // (mainloop_bwd_split_keys.h), as FlashAttention-3 does at hdim 64. Measured on an H100
+  // (docs/performance.md): hdim 64 1.00-1.05x with 17 and 5 LDL + STL in the causal and
+  // non-causal kernels (scripts/check_sass.py), hdim 128 0.57-0.69x (128-152 B of spills).
+  static constexpr bool kSeparateMaskedTiles = kSplitKeys && kHeadDim <= 64;
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
   static_assert(!kTransposed || !kSplitKeys);
   static_assert(!kSplitKeys || kHeadDimV == kHeadDim,

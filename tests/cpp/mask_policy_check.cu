@@ -1,7 +1,8 @@
 // Host check of the mask policies' tile arithmetic (csrc/flash3/mask.h) against brute
 // force, for random lengths, windows and tile sizes: the key tiles a query tile visits,
 // the query tiles a key tile visits (the same relation: the deterministic backward's dQ
-// turns count on it), the tiles that may skip the element-wise mask, and each row's
+// turns count on it), the tiles that may skip the element-wise mask (and the backward's
+// masked prefix of a key tile's query tiles), and each row's
 // visible keys. Built and run by tests/test_mask_policy.py; prints "ok" and the number
 // of cases, or the first failure. Also the forward's generalisations: several rows per
 // query (GQA-packed rows) and keys past those read that count for the alignment.
@@ -90,6 +91,21 @@ void check(Problem const& p) {
         for (int n = begin; n < end - 1; ++n) {
           EXPECT((n < unmasked_end) == !policy.needs_mask(m, n), "m=%d n=%d masked %d, unmasked_end %d of [%d, %d)", m,
                  n, int(policy.needs_mask(m, n)), unmasked_end, begin, end);
+        }
+      }
+    }
+  }
+  if constexpr (!Mask::kIsLocal) {
+    // The backward's split loop (mainloop_bwd_split_keys.h) walks a key tile's query tiles
+    // upwards from any first one, the masked_prefix of them with the mask's code and the
+    // rest without it: those are masked exactly there.
+    for (int n = 0; n < (p.group == 1 && p.keys_after == 0 ? n_blocks : 0); ++n) {
+      for (int m_begin = 0; m_begin < m_blocks; ++m_begin) {
+        int const t = policy.masked_prefix(n, m_begin, m_blocks);
+        EXPECT(t >= 0 && m_begin + t <= m_blocks, "n=%d masked_prefix %d from %d of %d", n, t, m_begin, m_blocks);
+        for (int m = m_begin; m < m_blocks; ++m) {
+          EXPECT((m < m_begin + t) == policy.needs_mask(m, n), "n=%d m=%d masked %d, prefix %d from %d", n, m,
+                 int(policy.needs_mask(m, n)), t, m_begin);
         }
       }
     }
