@@ -188,8 +188,9 @@ def measure_in_turns(fns, passes):
     """({name: milliseconds}, {name: [milliseconds per pass]}) for the functions compared in
     one cell: each timed once per pass, in the given order in even passes and in reverse in
     odd ones; the median over the passes.
-    A function timed right after a heavy one runs on a GPU that has just been drawing
-    full power; rotating the order keeps that from always falling on the same side."""
+    Timed first, right after the previous cell's long calls, a call read up to 18% slower
+    than in turns (docs/performance.md); rotating the order keeps whatever causes that from
+    always falling on the same side."""
     names = list(fns)
     times = {name: [] for name in names}
     for p in range(passes):
@@ -278,7 +279,7 @@ def grid_mix(impl, hdims, causals, total=65536, seed=0, passes=2):
             rows.append(row)
             del q, k, v, fns
     # The padded batch (batch, longest, h, d), after every packed comparison: these calls
-    # run for up to 200 ms each, and the GPU runs slower for a while after them.
+    # run for up to 200 ms each, and calls timed right after them read slower.
     for row in rows:
         d, causal, longest, h = row["hdim"], row["causal"], row["longest"], HIDDEN // row["hdim"]
         pad_tokens = len(lengths) * longest
