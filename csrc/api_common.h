@@ -1,6 +1,7 @@
 // What the two torch bindings (api.cpp for bf16/fp16, api_fp8.cpp for e4m3) check and
 // fill alike: the q, k, v tensor checks, the Hopper device check, the forward's outputs
-// for empty problems and the FwdParams fields. The dtype checks differ per binding and stay there.
+// for empty problems, the FwdParams fields and the local mask's options (window, softcap,
+// sinks). The dtype checks differ per binding and stay there.
 //
 // Functions are inline in a named namespace, so both translation units share one device
 // property cache.
@@ -10,12 +11,15 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <vector>
 
+#include "flash3/dispatch.h"
 #include "flash3/params.h"
 
 #define FLASH3_CUDA_CHECK(expr)                                                                      \
@@ -155,5 +159,51 @@ inline void fill_fwd_params(FwdParams& params, at::Tensor const& q, at::Tensor c
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.num_sms = device.num_sms;
 }
+
+// The options every attention op's schema ends with (Options below): the window, softcap
+// and sinks.
+#define FLASH3_OPTIONS "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None"
+
+// The options of the local-mask kernels as the ops take them: FlashAttention-3's window
+// (-1: unbounded), softcap (0: off) and attention sinks (float32 (nheads), or none).
+struct Options {
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> sinks;
+
+  void check(at::Tensor const& q, int64_t nheads) const {
+    TORCH_CHECK(window_left >= -1, "flash3: window_left is ", window_left, "; supported: -1 (unbounded) or >= 0");
+    TORCH_CHECK(window_right >= -1, "flash3: window_right is ", window_right, "; supported: -1 (unbounded) or >= 0");
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash3: softcap is ", softcap,
+                "; supported: 0 (off) or a positive finite value");
+    if (sinks.has_value()) {
+      TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == nheads &&
+                      sinks->is_contiguous() && sinks->device() == q.device(),
+                  "flash3: sinks must be a contiguous float32 tensor of nheads (", nheads,
+                  ") elements on the device of q, got ", sinks->scalar_type(), " ", sinks->sizes());
+    }
+  }
+
+  // FlashAttention-3's rules (hopper/flash_api.cpp): a left window reaching back past the
+  // longest key sequence, or a right one past the longest query sequence, is none; causal
+  // is the window (-1, 0). Anything else with a window, a softcap or sinks runs the local
+  // kernel, whose window sides are then clamped to those lengths (the same mask).
+  flash3::MaskKind resolve(bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k, FwdParams& params) const {
+    int64_t left = window_left >= max_seqlen_k - 1 ? -1 : window_left;
+    int64_t right = window_right >= max_seqlen_q - 1 ? -1 : window_right;
+    if (causal) { right = 0; }
+    bool const is_causal = left < 0 && right == 0;
+    bool const is_local = (left >= 0 || right >= 0) && !is_causal;
+    if (!is_local && softcap == 0.0 && !sinks.has_value()) {
+      return is_causal ? flash3::MaskKind::kCausal : flash3::MaskKind::kNone;
+    }
+    params.window_left = static_cast<int>(left < 0 ? max_seqlen_k : std::min(left, max_seqlen_k));
+    params.window_right = static_cast<int>(right < 0 ? max_seqlen_q : std::min(right, max_seqlen_q));
+    params.softcap = static_cast<float>(softcap);
+    params.sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+    return flash3::MaskKind::kLocal;
+  }
+};
 
 }  // namespace flash3::api

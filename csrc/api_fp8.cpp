@@ -1,15 +1,18 @@
 // The torch binding of the FP8 path, next to api.cpp's and registered into the same
 // `flash3` op namespace (TORCH_LIBRARY_FRAGMENT):
 //
-//   flash3::fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal) -> (out, lse)
+//   flash3::fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal,
+//                   window_left=-1, window_right=-1, softcap=0.0, sinks=None) -> (out, lse)
 //       q, k, v float8_e4m3fn (batch, seqlen, nheads[_k], headdim); scales float32
 //       (batch, nheads, ceil(seqlen_q / 64)) for q and (batch, nheads_k, ceil(seqlen_k / 128))
 //       for k and v, any strides (zero strides for per-head or per-tensor scales);
-//       out bf16 like q, lse float32 (batch, nheads, seqlen_q).
+//       out bf16 like q, lse float32 (batch, nheads, seqlen_q). The window, softcap and
+//       sinks as in flash3::fwd (api.cpp): they run the local-mask kernel.
 //   flash3::quantize_fp8(x, signs, block_rows) -> (x8, scale)
 //       x bf16 (batch, seqlen, nheads, headdim); signs float32 (headdim,) of +-1 or None;
 //       x8 float8_e4m3fn contiguous, scale float32 (batch, nheads, ceil(seqlen / block_rows)).
-//   flash3::fp8_kernels() -> (int[] hdims, bool[] causal)   the FP8 forward kernels built
+//   flash3::fp8_kernels() -> (int[] hdims, str[] masks)   the FP8 forward kernels built
+//       (masks: "none", "causal" or "local")
 //
 // flash3/fp8.py validates arguments first; these checks are the last line of defence.
 #include <ATen/ATen.h>
@@ -18,6 +21,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -52,7 +57,9 @@ bool same_strides(at::Tensor const& a, at::Tensor const& b) {
 
 std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                            at::Tensor const& q_scale, at::Tensor const& k_scale,
-                                           at::Tensor const& v_scale, double softmax_scale, bool causal) {
+                                           at::Tensor const& v_scale, double softmax_scale, bool causal,
+                                           int64_t window_left, int64_t window_right, double softcap,
+                                           std::optional<at::Tensor> const& sinks) {
   flash3::api::check_qkv_device(q, k, v);
   TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && k.scalar_type() == at::kFloat8_e4m3fn &&
                   v.scalar_type() == at::kFloat8_e4m3fn,
@@ -63,6 +70,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
               q.size(3), "), got ", v.size(3));
   int64_t const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), headdim = q.size(3);
   int64_t const seqlen_k = k.size(1), nheads_k = k.size(2);
+  flash3::api::Options const options{window_left, window_right, softcap, sinks};
+  options.check(q, nheads);
   int64_t const q_blocks = (seqlen_q + flash3::kScaleBlockQ - 1) / flash3::kScaleBlockQ;
   int64_t const k_blocks = (seqlen_k + flash3::kScaleBlockK - 1) / flash3::kScaleBlockK;
   flash3::FwdFp8Params params;
@@ -88,19 +97,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_fp8(at::Tensor const& q, at::Tensor const
   params.v_scale.head_stride = params.k_scale.head_stride;
   params.v_scale.block_stride = params.k_scale.block_stride;
   at::Tensor out, lse;
-  if (flash3::api::alloc_fwd_outputs(q, v, at::kBFloat16, out, lse)) { return {out, lse}; }
+  if (flash3::api::alloc_fwd_outputs(q, v, at::kBFloat16, out, lse)) {
+    // No keys: with sinks, each row's whole probability is the sink's.
+    if (sinks.has_value() && seqlen_k == 0) { lse.copy_(sinks->view({1, -1, 1}).expand_as(lse)); }
+    return {out, lse};
+  }
   flash3::api::DeviceInfo const& info = flash3::api::hopper_info(q);
   at::Tensor const q_tma = flash3::api::tma_ready(q);
   at::Tensor const k_tma = flash3::api::tma_ready(k);
   at::Tensor const v_tma = flash3::api::tma_ready(v);
 
   flash3::api::fill_fwd_params(params, q_tma, k_tma, v_tma, out, lse, softmax_scale, info);
+  flash3::MaskKind const mask = options.resolve(causal, seqlen_q, seqlen_k, params);
 
   cudaError_t status = cudaSuccess;
-  bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), causal, params,
+  bool const found = flash3::dispatch_fwd_fp8(static_cast<int>(headdim), mask, params,
                                               c10::cuda::getCurrentCUDAStream().stream(), &status);
-  TORCH_CHECK(found, "flash3: this build holds no FP8 forward kernel for headdim ", headdim, ", causal ", causal,
-              " (see flash3.fp8.built_kernels())");
+  TORCH_CHECK(found, "flash3: this build holds no FP8 forward kernel for headdim ", headdim, ", mask ",
+              flash3::mask_name(mask), " (see flash3.fp8.built_kernels())");
   TORCH_CHECK(status == cudaSuccess, "flash3: FP8 forward kernel launch failed: ", cudaGetErrorString(status));
   return {out, lse};
 }
@@ -143,15 +157,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(at::Tensor const& x, std::option
   return {out, scale};
 }
 
-// The FP8 forward kernels this build holds, as (head dims, causal) side by side.
-std::tuple<std::vector<int64_t>, c10::List<bool>> fp8_kernels() {
+// The FP8 forward kernels this build holds, as (head dims, masks) side by side.
+std::tuple<std::vector<int64_t>, std::vector<std::string>> fp8_kernels() {
   std::vector<int64_t> hdims;
-  c10::List<bool> causal;
+  std::vector<std::string> masks;
   for (auto const& k : flash3::built_kernels_fp8()) {
     hdims.push_back(k.headdim);
-    causal.push_back(k.causal);
+    masks.emplace_back(flash3::mask_name(k.mask));
   }
-  return {hdims, causal};
+  return {hdims, masks};
 }
 
 }  // namespace
@@ -159,9 +173,9 @@ std::tuple<std::vector<int64_t>, c10::List<bool>> fp8_kernels() {
 TORCH_LIBRARY_FRAGMENT(flash3, m) {
   m.def(
       "fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, float softmax_scale, "
-      "bool causal) -> (Tensor out, Tensor lse)");
+      "bool causal, " FLASH3_OPTIONS ") -> (Tensor out, Tensor lse)");
   m.def("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)");
-  m.def("fp8_kernels() -> (int[] hdims, bool[] causal)", &fp8_kernels);
+  m.def("fp8_kernels() -> (int[] hdims, str[] masks)", &fp8_kernels);
 }
 
 TORCH_LIBRARY_IMPL(flash3, CUDA, m) {

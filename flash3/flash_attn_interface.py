@@ -26,8 +26,8 @@ What flash3 runs, and what it does not run yet:
   window covering the whole sequence is none, (-1, 0) is causal), ``softcap``, and
   attention sinks as the keyword-only ``learnable_sink`` (one float32 logit per query
   head, FlashAttention's name for them; gradients flow to it) run flash3's local-mask
-  kernels, in bf16 / fp16, dense and variable-length, forward and backward. With
-  float8 inputs they raise ``NotImplementedError``.
+  kernels, in bf16 / fp16, dense and variable-length, forward and backward, and in the
+  FP8 forward for fixed-length batches.
 * :func:`flash_attn_with_kvcache` runs :func:`flash3.attention_with_kvcache`: dense and
   paged caches, the in-place append with rotary embedding, split-KV, GQA packing.
   :func:`get_scheduler_metadata` returns None (flash3 needs none).
@@ -117,9 +117,9 @@ def _window(fname, window_size, causal, seqlen_q, seqlen_k):
     return causal, (left, right)
 
 
-def _options(fname, window, softcap, learnable_sink, fp8=False):
-    """flash3.attention's keyword arguments for the window, softcap and sinks, only those
-    that are not their defaults (float8 inputs take none of them)."""
+def _options(fname, window, softcap, learnable_sink):
+    """flash3.attention's (and flash3.fp8.attention_fp8's) keyword arguments for the
+    window, softcap and sinks, only those that are not their defaults."""
     options = {}
     if window != (-1, -1):
         options["window_size"] = window
@@ -127,9 +127,6 @@ def _options(fname, window, softcap, learnable_sink, fp8=False):
         options["softcap"] = softcap
     if learnable_sink is not None:
         options["sinks"] = learnable_sink
-    if fp8 and options:
-        name = {"window_size": "window_size", "softcap": "softcap", "sinks": "learnable_sink"}[next(iter(options))]
-        _not_implemented(fname, name, options[next(iter(options))], "FP8 attention with windows, softcap or sinks")
     return options
 
 
@@ -208,14 +205,11 @@ def _dense(fname, q, k, v, softmax_scale, causal, deterministic, return_lse, des
     if softmax_scale is None:
         softmax_scale = d ** (-0.5)  # from the caller's head dim, before any padding
     if q.dtype == _E4M3:
-        if options:
-            _options(fname, options.get("window_size", (-1, -1)), options.get("softcap", 0.0),
-                     options.get("sinks"), fp8=True)
         dp = _padded_headdim(d, _fp8.SUPPORTED_HEADDIMS)
         q8, k8, v8 = (_pad_last(t, dp) if t.dtype == _E4M3 else t for t in (q, k, v))
         q_descale, k_descale, v_descale = descales
         out, lse = _fp8.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal,
-                                      softmax_scale=softmax_scale, return_lse=True)
+                                      softmax_scale=softmax_scale, return_lse=True, **options)
     else:
         dp = _padded_headdim(d, SUPPORTED_HEADDIMS)
         if k.shape[-1] == d and v.shape[-1] == d:

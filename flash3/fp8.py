@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from .interface import _C
+from .interface import _C, _check_options, _fail, _mask_kind
 
 E4M3_MAX = 448.0
 Q_BLOCK = 64  # query rows per Q scale (csrc/flash3/params_fp8.h: kScaleBlockQ)
@@ -42,7 +42,7 @@ P_OFFSET = 8
 
 
 # The ops this build registered (a build without e4m3 has none of them), and its FP8
-# kernels as (hdim, causal), looked up once: plain Python values, which torch.compile
+# kernels as (hdim, mask), looked up once: plain Python values, which torch.compile
 # reads as constants when it traces attention().
 _OPS = frozenset(
     name for name in ("fwd_fp8", "quantize_fp8", "fp8_kernels") if _C is not None and hasattr(torch.ops.flash3, name)
@@ -61,7 +61,8 @@ def _has_op(name: str) -> bool:
 if "fwd_fp8" in _OPS:
 
     @torch.library.register_fake("flash3::fwd_fp8")
-    def _fwd_fp8_fake(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal):
+    def _fwd_fp8_fake(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal, window_left=-1, window_right=-1,
+                      softcap=0.0, sinks=None):
         batch, seqlen_q, nheads, headdim = q.shape
         out = q.new_empty((batch, seqlen_q, nheads, headdim), dtype=torch.bfloat16)
         lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -79,12 +80,16 @@ if "quantize_fp8" in _OPS:
 
 
 def built_kernels() -> list[dict]:
-    """The FP8 forward kernels this build holds: ``[{"hdim", "causal"}]``."""
-    return [{"hdim": hdim, "causal": causal} for hdim, causal in _BUILT]
+    """The FP8 forward kernels this build holds: ``[{"hdim", "mask"}]``, mask "none",
+    "causal" or "local" (sliding windows, softcap and sinks)."""
+    return [{"hdim": hdim, "mask": mask} for hdim, mask in _BUILT]
 
 
-def is_supported(hdim: int, causal: bool) -> bool:
-    return (int(hdim), bool(causal)) in _BUILT
+def is_supported(hdim: int, causal: bool = False, mask: str | None = None) -> bool:
+    """Whether this build holds the FP8 forward kernel for ``hdim`` and ``mask`` (default:
+    "causal" if ``causal`` else "none")."""
+    mask = mask or ("causal" if causal else "none")
+    return (int(hdim), mask) in _BUILT
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,7 +270,8 @@ def _expand_scale(scale, name, batch, heads, heads_k, seqlen, block_rows, device
 
 
 def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causal: bool = False,
-                  softmax_scale: float | None = None, return_lse: bool = False):
+                  softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
+                  return_lse: bool = False):
     """softmax(Q K^T * softmax_scale) V with e4m3 q, k, v; bf16 output.
 
     ``Q = q8 * q_scale`` etc. Scales are block scales from :func:`quantize`
@@ -273,8 +279,13 @@ def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causa
     for k and v), FlashAttention-3-style descales ``(batch, nheads_k)`` (the q descale is
     indexed by the K/V head of each query head, as in FlashAttention-3), or scalars.
     Causal masking is bottom-right aligned as in :func:`flash3.attention`; GQA when
-    nheads % nheads_k == 0. Returns ``out`` (bf16) or ``(out, lse)``.
+    nheads % nheads_k == 0. ``window_size``, ``softcap`` and ``sinks`` are those of
+    :func:`flash3.attention`, applied to the dequantised scores (softcap:
+    ``softcap * tanh(softmax_scale * q.k / softcap)``); they run the "local" kernel. The
+    FP8 forward has no backward: sinks that require a gradient are refused while
+    autograd records. Returns ``out`` (bf16) or ``(out, lse)``.
     """
+    fn = "flash3.fp8.attention_fp8"
     for name, t in (("q", q8), ("k", k8), ("v", v8)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
             raise TypeError(f"flash3.fp8.attention_fp8: {name} must be a torch.float8_e4m3fn tensor, "
@@ -289,14 +300,23 @@ def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causa
         raise ValueError(f"flash3.fp8.attention_fp8: nheads_k is {hk}; supported: a divisor of nheads ({h})")
     if not isinstance(causal, bool):
         raise TypeError(f"flash3.fp8.attention_fp8: causal is {type(causal).__name__}; supported: bool")
+    left, right, softcap = _check_options(fn, q8, window_size, softcap, sinks)
+    if sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
+        _fail(ValueError, "sinks.requires_grad", True,
+              "False, or a call under torch.no_grad(): the FP8 forward has no backward", fn)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if not q8.is_cuda:
         raise TypeError("flash3.fp8.attention_fp8: q.device is cpu; supported: CUDA tensors on a Hopper GPU")
     if not _has_op("fwd_fp8"):
         raise RuntimeError("flash3.fp8.attention_fp8: this build has no FP8 kernels (FLASH3_DTYPES without e4m3)")
-    if not is_supported(d, causal):
-        raise ValueError(f"flash3.fp8.attention_fp8: the FP8 kernel for headdim {d}, causal={causal} was not "
+    if sinks is not None:
+        if sinks.device != q8.device:
+            _fail(TypeError, "sinks.device", sinks.device, f"the device of q ({q8.device})", fn)
+        sinks = sinks.float().contiguous()
+    mask = _mask_kind(causal, (left, right), softcap, sinks, sq, sk)
+    if not is_supported(d, mask=mask):
+        raise ValueError(f"{fn}: the FP8 kernel for headdim {d}, mask {mask} was not "
                          f"built; this build holds {built_kernels()}")
     dev = q8.device
     if q_scale is not None and torch.as_tensor(q_scale).dim() == 2 and torch.as_tensor(q_scale).shape[1] == hk:
@@ -305,17 +325,19 @@ def attention_fp8(q8, k8, v8, q_scale=None, k_scale=None, v_scale=None, *, causa
     qs = _expand_scale(q_scale, "q_scale", b, h, hk, sq, Q_BLOCK, dev)
     ks = _expand_scale(k_scale, "k_scale", b, hk, hk, sk, K_BLOCK, dev)
     vs = _expand_scale(v_scale, "v_scale", b, hk, hk, sk, K_BLOCK, dev)
-    out, lse = torch.ops.flash3.fwd_fp8(q8, k8, v8, qs, ks, vs, float(softmax_scale), causal)
+    out, lse = torch.ops.flash3.fwd_fp8(q8, k8, v8, qs, ks, vs, float(softmax_scale), causal, left, right, softcap,
+                                        sinks)
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, incoherent: bool = True,
-              seed: int = 0, return_lse: bool = False):
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+              softcap: float = 0.0, sinks=None, incoherent: bool = True, seed: int = 0, return_lse: bool = False):
     """End-to-end FP8 attention on bf16 q, k, v: :func:`quantize` (fused kernel, block
     scales, incoherent processing unless ``incoherent=False``) then :func:`attention_fp8`."""
     t = quantize(q, k, v, incoherent=incoherent, seed=seed)
     return attention_fp8(t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, causal=causal,
-                         softmax_scale=softmax_scale, return_lse=return_lse)
+                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
+                         return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------
@@ -323,14 +345,16 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 # ----------------------------------------------------------------------------------------
 
 
-def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None = None, round_p: bool = True,
-            heads_per_chunk: int = 4) -> torch.Tensor:
+def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+            softcap: float = 0.0, sinks=None, round_p: bool = True, heads_per_chunk: int = 4) -> torch.Tensor:
     """float64 attention of the dequantised inputs, with P rounded to e4m3 as the kernel
     does: V's scale is folded into the exponent, ``P = exp(s - max_w) * v_scale * 2**8``
     with ``max_w`` the row max of ``s + log(v_scale)``, cast to e4m3 and multiplied by the
     raw e4m3 V; the row sum adds the unrounded ``P / v_scale`` (csrc/flash3/softmax_fp8.h). The
-    row max is the whole row's, not the kernel's running one. Returns (b, sq, h, d)."""
-    from .reference import causal_mask
+    row max is the whole row's, not the kernel's running one. ``window_size``, ``softcap``
+    and ``sinks`` as in :func:`flash3.reference.attention_ref` (a sink joins the row sum
+    with no value). Returns (b, sq, h, d)."""
+    from .reference import window_mask
 
     q = dequantize(t.q, t.q_scale, Q_BLOCK)
     k = dequantize(t.k, t.k_scale, K_BLOCK)
@@ -346,11 +370,15 @@ def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None 
         v8 = v8.repeat_interleave(h // hk, dim=2)
         v_key = v_key.repeat_interleave(h // hk, dim=2)
     log_v = v_key.log().permute(0, 2, 1)[:, :, None, :]  # (b, h, 1, sk)
-    mask = causal_mask(sq, sk, device=q.device) if causal else None
+    windowed = causal or tuple(window_size) != (-1, -1)
+    mask = window_mask(sq, sk, tuple(window_size), causal, device=q.device) if windowed else None
+    sink = None if sinks is None else sinks.double().to(q.device).view(1, -1, 1, 1)
     out = torch.empty(b, sq, h, d, dtype=torch.float64, device=q.device)
     for h0 in range(0, h, heads_per_chunk):
         hs = slice(h0, min(h, h0 + heads_per_chunk))
         s = torch.einsum("bqhd,bkhd->bhqk", q[:, :, hs], k[:, :, hs]) * softmax_scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         w = s + log_v[:, hs]
@@ -358,6 +386,8 @@ def emulate(t: FP8Tensors, *, causal: bool = False, softmax_scale: float | None 
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(w - m) * 2.0**P_OFFSET
         denom = (p * torch.exp(-log_v[:, hs])).sum(dim=-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink[:, hs] - m) * 2.0**P_OFFSET
         if round_p:
             p = p.to(torch.float8_e4m3fn).double()
         o = torch.einsum("bhqk,bkhd->bqhd", p, v8[:, :, hs]) / denom.permute(0, 2, 1, 3).clamp_min(1e-300)

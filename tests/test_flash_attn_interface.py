@@ -297,12 +297,20 @@ def test_window_softcap_sinks_reach_attention_cpu(cpu_kernels, d):
     torch.testing.assert_close(out, ref.to(q.dtype))
 
 
-def test_fp8_with_window_softcap_or_sinks_not_implemented():
+def test_fp8_window_softcap_and_sinks_reach_flash3_fp8(monkeypatch):
+    """float8 inputs pass the window, softcap and learnable_sink on to flash3.fp8.attention_fp8
+    under flash3's names."""
     q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv())
-    for kwargs, name in ((dict(window_size=(4, 0)), "window_size"), (dict(softcap=5.0), "softcap"),
-                         (dict(learnable_sink=torch.zeros(4)), "learnable_sink")):
-        with pytest.raises(NotImplementedError, match=f"flash_attn_func: {name}=.*FP8 attention with windows"):
-            flash_attn_func(q, k, v, **kwargs)
+    seen = {}
+
+    def fake_attention_fp8(q8, k8, v8, *descales, **kwargs):
+        seen.update(kwargs)
+        return torch.zeros(q8.shape, dtype=torch.bfloat16), torch.zeros(q8.shape[0], q8.shape[2], q8.shape[1])
+
+    monkeypatch.setattr(flash3.fp8, "attention_fp8", fake_attention_fp8)
+    sinks = torch.zeros(q.shape[2])
+    flash_attn_func(q, k, v, window_size=(4, 0), softcap=5.0, learnable_sink=sinks)
+    assert seen["window_size"] == (4, 0) and seen["softcap"] == 5.0 and seen["sinks"] is sinks
 
 
 def test_window_minus_one_zero_is_causal_cpu(cpu_kernels):

@@ -81,6 +81,41 @@ def test_emulation_matches_reference_without_quantisation_error():
         torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.parametrize("causal,window,softcap,with_sinks", [
+    (False, (5, 3), 0.0, False), (True, (20, -1), 0.0, False), (False, (0, 0), 0.0, True),
+    (True, (-1, -1), 2.5, False), (False, (9, 30), 3.0, True), (True, (-1, -1), 0.0, True),
+])
+def test_emulation_options_match_reference_without_quantisation_error(causal, window, softcap, with_sinks):
+    # As above, with the local mask's options: windows (left 0, right > 0), softcap and
+    # sinks, alone and combined; 40 queries on 70 keys, so that with causal the first rows
+    # see few keys.
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-4, 5, (1, 40, 2, 64), generator=g).float()
+    k, v = (torch.randint(-4, 5, (1, 70, 2, 64), generator=g).float() for _ in range(2))
+    t = fp8.FP8Tensors(q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn),
+                       torch.ones(1, 2, 1), torch.ones(1, 2, 1), torch.ones(1, 2, 1))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64) * 2 if with_sinks else None
+    options = dict(window_size=window, softcap=softcap, sinks=sinks)
+    out = fp8.emulate(t, causal=causal, round_p=False, **options)
+    ref, _ = attention_ref(q, k, v, causal=causal, upcast=True, **options)
+    torch.testing.assert_close(out, ref)
+
+
+def test_attention_fp8_option_errors_name_the_argument():
+    q8 = torch.zeros(1, 8, 2, 64).to(torch.float8_e4m3fn)
+    fn = "flash3.fp8.attention_fp8"
+    cases = [
+        (dict(window_size=4), TypeError, "window_size is 4"),
+        (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] is -2"),
+        (dict(softcap=-1.0), ValueError, "softcap is -1.0"),
+        (dict(sinks=torch.zeros(3)), ValueError, r"sinks.shape is \(3,\)"),
+        (dict(sinks=torch.zeros(2, requires_grad=True)), ValueError, "sinks.requires_grad is True"),
+    ]
+    for kwargs, exc, message in cases:
+        with pytest.raises(exc, match=f"{fn}: {message}"):
+            fp8.attention_fp8(q8, q8, q8, **kwargs)
+
+
 # The benchmark module doubles as the data generator of the accuracy tests.
 def _accuracy_module():
     import importlib.util
@@ -138,6 +173,11 @@ def test_fp8_fake_impls_on_meta(causal):
         assert scale.shape == (b, h, blocks) and scale.dtype == torch.float32
     torch.library.opcheck(torch.ops.flash3.fwd_fp8.default, (q, k, v, qs, ks, vs, 0.125, causal),
                           test_utils=("test_schema", "test_faketensor"))
+    sinks = torch.empty(h, device="meta")
+    out, lse = torch.ops.flash3.fwd_fp8(q, k, v, qs, ks, vs, 0.125, causal, 64, 0, 30.0, sinks)
+    assert out.shape == (b, sq, h, d) and lse.shape == (b, h, sq)
+    torch.library.opcheck(torch.ops.flash3.fwd_fp8.default, (q, k, v, qs, ks, vs, 0.125, causal, 64, 0, 30.0, sinks),
+                          test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.flash3.quantize_fp8.default, (x, None, 64),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -153,9 +193,10 @@ def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
     lib = torch.library.Library("flash3", "FRAGMENT")
     try:
         lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor v_scale, "
-                   "float softmax_scale, bool causal) -> (Tensor out, Tensor lse)")
+                   "float softmax_scale, bool causal, int window_left=-1, int window_right=-1, float softcap=0.0, "
+                   "Tensor? sinks=None) -> (Tensor out, Tensor lse)")
         lib.define("quantize_fp8(Tensor x, Tensor? signs, int block_rows) -> (Tensor out, Tensor scale)")
-        lib.define("fp8_kernels() -> (int[] hdims, bool[] causal)")
+        lib.define("fp8_kernels() -> (int[] hdims, str[] masks)")
         monkeypatch.setattr(flash3.interface, "_C", object())
         src = open(fp8.__file__).read()
         cuda_checks = (("if not q8.is_cuda:", "if False:"), ("not per_tensor and q.is_cuda and", "not per_tensor and"))
@@ -166,14 +207,16 @@ def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
         module.__package__ = "flash3"
         monkeypatch.setitem(sys.modules, "flash3._fp8_on_cpu", module)
 
-        def fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal):
+        def fwd_fp8(q, k, v, q_scale, k_scale, v_scale, softmax_scale, causal, window_left=-1, window_right=-1,
+                    softcap=0.0, sinks=None):
             t = module.FP8Tensors(q, k, v, q_scale, k_scale, v_scale)
-            out = module.emulate(t, causal=causal, softmax_scale=softmax_scale).to(torch.bfloat16)
+            out = module.emulate(t, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                                 softcap=softcap, sinks=sinks).to(torch.bfloat16)
             return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
         lib.impl("fwd_fp8", fwd_fp8, "CPU")
         lib.impl("quantize_fp8", lambda x, signs, block_rows: module.quantize_ref(x, block_rows, signs), "CPU")
-        lib.impl("fp8_kernels", lambda: ([128, 128], [False, True]), "CompositeExplicitAutograd")
+        lib.impl("fp8_kernels", lambda: ([128, 128, 128], ["none", "causal", "local"]), "CompositeExplicitAutograd")
         exec(compile(src, fp8.__file__, "exec"), module.__dict__)
         assert module._OPS == {"fwd_fp8", "quantize_fp8", "fp8_kernels"}
 
@@ -181,16 +224,16 @@ def test_fp8_attention_traces_as_one_graph_with_stand_in_ops(monkeypatch):
 
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 150, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
-        for causal in (False, True):
+        for causal, options in ((False, {}), (True, {}), (True, dict(window_size=(40, 0), softcap=20.0))):
             torch._dynamo.reset()
             counter = CompileCounterWithBackend("aot_eager")
-            compiled = torch.compile(lambda q, k, v: module.attention(q, k, v, causal=causal), fullgraph=True,
-                                     backend=counter)
+            compiled = torch.compile(lambda q, k, v: module.attention(q, k, v, causal=causal, **options),
+                                     fullgraph=True, backend=counter)
             out = compiled(q, k, v)
             assert counter.frame_count == 1
             ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
             assert {"flash3.quantize_fp8", "flash3.fwd_fp8"} <= ops, ops
-            assert torch.equal(out, module.attention(q, k, v, causal=causal))
+            assert torch.equal(out, module.attention(q, k, v, causal=causal, **options))
     finally:
         torch._dynamo.reset()
         lib._destroy()
@@ -239,9 +282,10 @@ def test_quantize_kernel_strided_input():
     assert (x8.view(torch.uint8) == x8_ref.view(torch.uint8)).float().mean() > 0.99
 
 
-def _check_kernel(t, causal, out, lse, softmax_scale=None, lse_rtol=1e-4):
-    exact = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=False)
-    emul = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=True)
+def _check_kernel(t, causal, out, lse, softmax_scale=None, lse_rtol=1e-4, **options):
+    """options: the local mask's window_size, softcap and sinks."""
+    exact = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=False, **options)
+    emul = fp8.emulate(t, causal=causal, softmax_scale=softmax_scale, round_p=True, **options)
     assert out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "output has NaN"
     err = (out.double() - exact).abs()
@@ -257,7 +301,7 @@ def _check_kernel(t, causal, out, lse, softmax_scale=None, lse_rtol=1e-4):
     q = fp8.dequantize(t.q, t.q_scale, fp8.Q_BLOCK)
     k = fp8.dequantize(t.k, t.k_scale, fp8.K_BLOCK)
     v = fp8.dequantize(t.v, t.v_scale, fp8.K_BLOCK)
-    _, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
+    _, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True, **options)
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse[finite].double(), lse_ref[finite].double(), atol=2e-3, rtol=lse_rtol)
@@ -280,6 +324,54 @@ def test_fp8_kernel(seed, d, causal, sq, sk):
     t = fp8.quantize(q, k, v)
     out, lse = fp8.attention_fp8(*t, causal=causal, return_lse=True)
     _check_kernel(t, causal, out, lse)
+
+
+# The local mask's options (window, softcap, sinks), alone and with causal, on odd sizes:
+# (causal, window, softcap, sinks, sq, sk, nheads, nheads_k). Windows narrower than a key
+# tile, with left 0, with right > 0, and wider than the sequence (which is no window:
+# with softcap it runs the local kernel with the window clamped); rows that see no key
+# (causal with sq > sk, a window that ends before the first key) have out 0 and, with a
+# sink, lse = sink.
+LOCAL_CASES = [
+    (False, (37, 5), 0.0, False, 300, 700, 4, 2),
+    (True, (128, -1), 0.0, False, 1000, 1000, 2, 2),
+    (False, (0, 0), 0.0, True, 333, 333, 2, 1),
+    (False, (3000, 3000), 3.0, False, 500, 1300, 4, 4),
+    (True, (-1, -1), 50.0, False, 777, 777, 2, 2),
+    (False, (-1, -1), 8.0, True, 400, 2100, 4, 2),
+    (True, (-1, -1), 0.0, True, 400, 100, 2, 2),
+    (False, (256, 256), 20.0, True, 1500, 1200, 4, 1),
+    (True, (700, -1), 15.0, True, 2300, 2300, 2, 2),
+]
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=lambda c: "-".join(map(str, c[:4])).replace(" ", ""))
+def test_fp8_local_kernel(seed, d, case):
+    causal, window, softcap, with_sinks, sq, sk, h, hk = case
+    if not fp8.is_supported(d, mask="local"):
+        pytest.skip(f"fp8 hdim{d} local not in this build")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(2, s, n, d, device="cuda", generator=g).to(torch.bfloat16)
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    sinks = torch.randn(h, device="cuda", generator=g) * 2 + 1 if with_sinks else None
+    options = dict(window_size=window, softcap=softcap, sinks=sinks)
+    t = fp8.quantize(q, k, v)
+    scale = 1.5 / math.sqrt(d)  # scores of a few units, so that a softcap of 8-50 bends them
+    out, lse = fp8.attention_fp8(*t, causal=causal, softmax_scale=scale, return_lse=True, **options)
+    _check_kernel(t, causal, out, lse, softmax_scale=scale, **options)
+
+
+@gpu
+def test_fp8_no_keys_with_sinks():
+    """No key at all: out 0 and lse = the sink, as in the 16-bit call."""
+    q8 = torch.randn(1, 5, 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    k8 = torch.empty(1, 0, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
+    sinks = torch.tensor([0.5, -1.0], device="cuda")
+    out, lse = fp8.attention_fp8(q8, k8, k8, sinks=sinks, return_lse=True)
+    assert (out == 0).all()
+    assert torch.equal(lse, sinks.view(1, 2, 1).expand(1, 2, 5))
 
 
 @gpu

@@ -6,20 +6,22 @@
 
 #include <vector>
 
+#include "dispatch.h"
 #include "params_fp8.h"
 
 namespace flash3 {
 
 struct Fp8KernelInfo {
   int headdim;
-  bool causal;
+  MaskKind mask;
 };
 
 // FP8 forward kernels this build holds (FLASH3_HDIMS / FLASH3_DTYPES narrow it).
 std::vector<Fp8KernelInfo> built_kernels_fp8();
 
-// Launches the FP8 forward kernel for (headdim, causal); false when the build holds none.
-bool dispatch_fwd_fp8(int headdim, bool causal, FwdFp8Params const& params, cudaStream_t stream, cudaError_t* err);
+// Launches the FP8 forward kernel for (headdim, mask); false when the build holds none.
+bool dispatch_fwd_fp8(int headdim, MaskKind mask, FwdFp8Params const& params, cudaStream_t stream,
+                      cudaError_t* err);
 
 // The fused quantiser; cudaErrorInvalidValue for an unsupported head dim or block size.
 cudaError_t run_quantize_fp8(QuantizeParams const& params, cudaStream_t stream);

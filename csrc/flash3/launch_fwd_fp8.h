@@ -13,10 +13,12 @@ namespace flash3 {
 
 // kBlockN: 0 for the tile of TileConfigFp8, else another key tile. kPersistent: a
 // persistent grid where the default is one CTA per tile (traits_fp8.h). kWarpgroups: 0
-// for TileConfigFp8's number of consumer warpgroups, else another.
+// for TileConfigFp8's number of consumer warpgroups, else another. The local mask
+// (windows, softcap, sinks) takes the causal kernels' tiles, as in the 16-bit forward.
 template <int kHeadDim, class Mask, int kBlockN, bool kPersistent = false, int kWarpgroups = 0>
 cudaError_t run_fwd_fp8(FwdFp8Params const& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernel<KernelTraitsFp8<kHeadDim, Mask::kIsCausal, kBlockN, kPersistent, kWarpgroups>, Mask>;
+  using Kernel =
+      FlashFwdKernel<KernelTraitsFp8<kHeadDim, kVariableKeys<Mask>, kBlockN, kPersistent, kWarpgroups>, Mask>;
   auto kernel_params = Kernel::to_params(params);
   dim3 const grid = Kernel::Scheduler::grid(kernel_params.scheduler, params.num_sms);
   return launch_with_smem(&flash_fwd_kernel<Kernel>, grid, Kernel::kThreads, Kernel::kSharedStorageSize, stream,

@@ -424,10 +424,10 @@ struct MainloopFwd {
       // Softcap (local kernels): on a tile under the mask the tanh comes first (tanh(-inf)
       // would be -1); elsewhere the softmax takes it inside the row max (softmax.h
       // update_row_maxes), given tanh_in_max(masked) as the prescale.
-      auto compute_scores = [&](auto& tSrS, int n_block, bool masked) {
+      auto compute_scores = [&](auto& tSrS, int n_block, bool masked, auto const& tile_scales) {
         Tensor tSrS_rowcol = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
         if (masked) {
-          if constexpr (kSoftcap) { apply_tanh(tSrS_rowcol, softcap_prescale); }
+          if constexpr (kSoftcap) { softmax.apply_tanh(tSrS_rowcol, softcap_prescale, tile_scales); }
           policy.apply(tSrS_rowcol, tScS_rowcol, m_block, n_block);
         }
         return tSrS_rowcol;
@@ -455,7 +455,7 @@ struct MainloopFwd {
       if (n_block == n_begin && !Traits::kReleaseQAfterEpilogue) { barrier_q_empty.arrive(); }
       {
         bool const masked = policy.needs_mask(m_block, n_block);
-        Tensor tSrS_rowcol = compute_scores(tSrS, n_block, masked);
+        Tensor tSrS_rowcol = compute_scores(tSrS, n_block, masked, tile_scales);
         softmax.template online_update</*kFirstTile=*/true, kSoftcap>(tSrS_rowcol, tile_scales, masked,
                                                                        tanh_in_max(masked));
       }
@@ -489,7 +489,7 @@ struct MainloopFwd {
             return decltype(masked_tile)::value;
           }
         }();
-        Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked);
+        Tensor tSrS_rowcol = compute_scores(tSrS_next, n_block, masked, tile_scales);
         float const tanh_prescale = tanh_in_max(masked);
         Tensor correction = make_tensor<float>(Layout<Int<kRows>>{});
         if constexpr (Traits::kSoftmaxUnderPv == SoftmaxUnderPv::kWhole) {

@@ -49,7 +49,9 @@ struct OnlineSoftmaxSteps {
       if (tanh_prescale != 0.f) {
         tanh_taken = true;
         CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) { thread_max[mi] = self().thread_tile_tanh_max(tSrS_rowcol, mi, tanh_prescale); }
+        for (int mi = 0; mi < kRows; ++mi) {
+          thread_max[mi] = self().thread_tile_tanh_max(tSrS_rowcol, mi, tanh_prescale, scales);
+        }
       }
     }
     if (!tanh_taken) {
@@ -172,7 +174,7 @@ struct OnlineSoftmax : OnlineSoftmaxSteps<OnlineSoftmax<kRows, kLazyRescale, kIn
   // thread's part of the row's tile max of the result, as a chain from the running max
   // that takes each tanh as it comes.
   template <class TensorS>
-  CUTLASS_DEVICE float thread_tile_tanh_max(TensorS& tSrS_rowcol, int mi, float prescale) const {
+  CUTLASS_DEVICE float thread_tile_tanh_max(TensorS& tSrS_rowcol, int mi, float prescale, NoTileScales) const {
     float tile_max = row_max(mi);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(tSrS_rowcol); ++ni) {
@@ -181,6 +183,12 @@ struct OnlineSoftmax : OnlineSoftmaxSteps<OnlineSoftmax<kRows, kLazyRescale, kIn
       tile_max = fmaxf(tile_max, t);
     }
     return tile_max;
+  }
+
+  // Softcap on a tile under the mask, ahead of it: all of S turned into tanh(S * prescale).
+  template <class TensorS>
+  CUTLASS_DEVICE static void apply_tanh(TensorS& tSrS_rowcol, float prescale, NoTileScales) {
+    flash3::apply_tanh(tSrS_rowcol, prescale);
   }
 
   // Row mi's running max updated with the thread's part of the tile max; returns the

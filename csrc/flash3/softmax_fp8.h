@@ -55,9 +55,14 @@ struct OnlineSoftmaxFp8
   static constexpr float kRescaleThreshold = 0.75f;
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;  // V-weighted, log2 domain; -inf: no key yet
   Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // this thread's partial sums
+  // The logit scale in log2 units (params.h logit_scale_log2; softcap * log2(e) under
+  // softcap), and its inverse: only softcap's steps use them, the rest of the softmax
+  // takes it from each key group's factor (KeyGroupScales::qk_log2).
+  float const logit_scale_log2;
+  float const inv_logit_scale_log2;
 
-  // The logit scale is in each key group's factor (KeyGroupScales::qk_log2).
-  CUTLASS_DEVICE explicit OnlineSoftmaxFp8(float /*scale_log2*/) {
+  CUTLASS_DEVICE explicit OnlineSoftmaxFp8(float scale_log2)
+      : logit_scale_log2(scale_log2), inv_logit_scale_log2(1.f / scale_log2) {
     fill(row_max, -INFINITY);
     fill(row_sum, 0.f);
   }
@@ -120,6 +125,66 @@ struct OnlineSoftmaxFp8
     return tile_max;
   }
 
+  // Softcap. In key group g the raw score S = q8.k8 is q.k / qk(g), qk(g) = q_scale *
+  // k_scale(g), and the group's factor is qk_log2[g] = softcap * log2(e) * qk(g). The
+  // capped score c = tanh(S * qk(g) * prescale) (prescale = softmax_scale / softcap) is
+  // stored as c / qk(g), so that the factor takes it to c * softcap * log2(e), its logit
+  // in log2 units: the max, the exponent and the sum then treat it as a raw score. Per
+  // group: what multiplies S before the tanh, and what multiplies the tanh after it. A
+  // zero scale (only a caller's own scales hold one) gives c = 0, stored as 0.
+  template <int kGroups>
+  CUTLASS_DEVICE void tanh_group_factors(KeyGroupScales<kGroups> const& scales, float prescale,
+                                         float (&before)[kGroups], float (&after)[kGroups]) const {
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      before[g] = prescale * scales.qk_log2[g] * inv_logit_scale_log2;
+      after[g] = __fdividef(logit_scale_log2, fmaxf(scales.qk_log2[g], 1e-30f));
+    }
+  }
+
+  // Softcap: row mi's part of S turned into the capped scores in place (as above), and
+  // this thread's part of the row's tile max of them (V-weighted, log2 domain), one FMNMX
+  // chain per group that takes each tanh as it comes.
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE float thread_tile_tanh_max(TensorS& tSrS_rowcol, int mi, float prescale,
+                                            KeyGroupScales<kGroups> const& scales) const {
+    float before[kGroups], after[kGroups];
+    tanh_group_factors(scales, prescale, before, after);
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    float tile_max = -INFINITY;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      float group_max = -INFINITY;
+      CUTE_UNROLL
+      for (int ni = 0; ni < kGroupCols; ++ni) {
+        float const c = tanh_approx(tSrS_rowcol(mi, g * kGroupCols + ni) * before[g]) * after[g];
+        tSrS_rowcol(mi, g * kGroupCols + ni) = c;
+        group_max = fmaxf(group_max, c);
+      }
+      tile_max = fmaxf(tile_max, fmaf(group_max, scales.qk_log2[g], scales.log2_v[g]));
+    }
+    return tile_max;
+  }
+
+  // Softcap on a tile under the mask, ahead of it: all of S turned into the capped scores.
+  template <int kGroups, class TensorS>
+  CUTLASS_DEVICE void apply_tanh(TensorS& tSrS_rowcol, float prescale, KeyGroupScales<kGroups> const& scales) const {
+    float before[kGroups], after[kGroups];
+    tanh_group_factors(scales, prescale, before, after);
+    constexpr int kGroupCols = decltype(size<1>(tSrS_rowcol))::value / kGroups;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tSrS_rowcol); ++mi) {
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < kGroupCols; ++ni) {
+          float& s = tSrS_rowcol(mi, g * kGroupCols + ni);
+          s = tanh_approx(s * before[g]) * after[g];
+        }
+      }
+    }
+  }
+
   // Row mi's running (V-weighted) max updated with the thread's part of the tile max;
   // returns the factor by which its row of O must be rescaled.
   template <bool kFirstTile>
@@ -167,16 +232,27 @@ struct OnlineSoftmaxFp8
 
   // O / row sum (V's scale is inside both). Returns the natural-log logsumexp of the true
   // scores (-inf for an empty row): log2 of it is max_w - kMaxOffset + log2(sum).
-  // softmax_scale: unused (the logit scale is in the group factors).
-  template <class TensorO>
-  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float /*softmax_scale*/) {
+  // softmax_scale: unused (the logit scale is in the group factors). kSink: an attention
+  // sink, a natural-log logit with no value, joins every row's sum and logsumexp (a row
+  // that saw no key then has lse = sink), as in softmax.h.
+  template <bool kSink = false, class TensorO>
+  CUTLASS_DEVICE auto finalize(TensorO& tOrO_rowcol, float /*softmax_scale*/, float sink = 0.f) {
     Tensor lse = make_tensor<float>(Layout<Int<kRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const sum = quad_allreduce(row_sum(mi), SumOp{});
       bool const empty = sum == 0.f || sum != sum;
-      float const factor = empty ? 0.f : 1.f / sum;
-      lse(mi) = empty ? -INFINITY : (row_max(mi) - kMaxOffset) * 0.693147180559945309f + __logf(sum);
+      float factor = empty ? 0.f : 1.f / sum;
+      // O and the sum are taken against 2^shift: its natural log.
+      float const base = (row_max(mi) - kMaxOffset) * 0.693147180559945309f;
+      lse(mi) = empty ? -INFINITY : base + __logf(sum);
+      if constexpr (kSink) {
+        // lse = log(exp(lse_keys) + exp(sink)); out = O * 2^shift / exp(lse).
+        float const top = fmaxf(lse(mi), sink);
+        float const total = top == -INFINITY ? -INFINITY : top + __logf(__expf(lse(mi) - top) + __expf(sink - top));
+        factor = empty ? 0.f : __expf(base - total);
+        lse(mi) = total;
+      }
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(tOrO_rowcol); ++ni) { tOrO_rowcol(mi, ni) *= factor; }
     }
