@@ -51,10 +51,6 @@ struct FwdFp8Entry {
   FwdVariantBounds bounds{};
 };
 
-// The widest window span (keys) matched as that span rather than the sequence's length:
-// below the 192-key local entry's lower bound.
-constexpr int kLocalNarrowSpan = 2047;
-
 constexpr MaskKind kNone = MaskKind::kNone;
 constexpr MaskKind kCausal = MaskKind::kCausal;
 constexpr MaskKind kLocal = MaskKind::kLocal;
@@ -104,10 +100,6 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {   64,  kLocal,  fwd_fp8< 64, LocalMask>()},
   {  128,  kLocal,  fwd_fp8<128, LocalMask>()},
   {  256,  kLocal,  fwd_fp8<256, LocalMask>()},
-  // hdim 128, windows spanning 2048 keys or more (and softcap or sinks over long
-  // sequences): the causal kernel's 192-key tiles. A window is matched as its span
-  // (variant_fwd.h local_variant_lengths), so narrow windows keep 128 keys.
-  {  128,  kLocal,  fwd_fp8<128, LocalMask, 192>(),               2048},
 };
 // clang-format on
 
@@ -127,13 +119,8 @@ std::vector<Fp8KernelInfo> built_kernels_fp8() {
 
 bool dispatch_fwd_fp8(int headdim, MaskKind mask, FwdFp8Params const& params, cudaStream_t stream,
                       cudaError_t* err) {
-  // Each side of a window is at most the longest sequence (api.cpp clamps it).
-  FwdVariantLengths const lengths =
-      mask == MaskKind::kLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,
-                                                       params.window_right, kLocalNarrowSpan)
-                               : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
   FwdFp8Entry const* chosen =
-      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), lengths.seqlen_q, lengths.seqlen_k,
+      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), params.seqlen_q, params.seqlen_k,
                        [&](FwdFp8Entry const& entry) {
                          return entry.headdim == headdim && entry.mask == mask && entry.launch != nullptr;
                        });

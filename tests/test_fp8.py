@@ -327,9 +327,7 @@ def test_fp8_kernel(seed, d, causal, sq, sk):
 
 
 # The local mask's options (window, softcap, sinks), alone and with causal, on odd sizes:
-# (causal, window, softcap, sinks, sq, sk, nheads, nheads_k). The case (False, (-1, -1),
-# 8.0, True, 400, 2100) spans 2501 keys (the window clamped to the lengths) and runs the
-# hdim 128 192-key kernel too. Windows narrower than a key
+# (causal, window, softcap, sinks, sq, sk, nheads, nheads_k). Windows narrower than a key
 # tile, with left 0, with right > 0, and wider than the sequence (which is no window:
 # with softcap it runs the local kernel with the window clamped); rows that see no key
 # (causal with sq > sk, a window that ends before the first key) have out 0 and, with a
@@ -344,7 +342,6 @@ LOCAL_CASES = [
     (True, (-1, -1), 0.0, True, 400, 100, 2, 2),
     (False, (256, 256), 20.0, True, 1500, 1200, 4, 1),
     (True, (700, -1), 15.0, True, 2300, 2300, 2, 2),
-    # Spans of 2048 keys or more: hdim 128 runs its 192-key local kernel (dispatch_fp8.cu).
     (True, (-1, -1), 30.0, False, 2500, 2500, 2, 2),
     (True, (2100, -1), 0.0, True, 3000, 3000, 2, 1),
 ]

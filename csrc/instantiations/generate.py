@@ -26,7 +26,7 @@ SHORT_SEQ_TILES = {64: ["nomask", "causal", "local"], 128: ["nomask", "causal", 
 # name's last part is the mask and the variant, "-" separated (setup.py splits on "_"):
 # fwd_e4m3_hdim128_causal-persistent-keys192.cu, fwd_e4m3_hdim64_causal-persistent-2warpgroups.cu.
 FP8_HDIMS = [64, 128, 256]
-FP8_KEY_TILES = {128: {"causal": [192], "nomask": [192], "local": [192]}}
+FP8_KEY_TILES = {128: {"causal": [192], "nomask": [192]}}
 FP8_PERSISTENT = {
     64: {"causal": [(0, 0), (0, 2)]},
     128: {"causal": [(0, 0), (192, 0)]},
