@@ -15,6 +15,11 @@ Dense bf16 batches of 32k tokens, hidden 2048 (16 heads at hdim 128), forward an
 TFLOPs/s count the (query, key) pairs the mask lets through. Beside them, flash3's causal
 kernel on the same shape shows what the options cost relative to plain causal attention.
 Writes <out-dir>/<tag>.json and <tag>.md; prints the table.
+
+--fp8: the FP8 forward instead (no backward): flash3's e4m3 kernel on inputs quantised
+once outside the timing (block scales, incoherent processing) against FlashAttention-3's
+e4m3 forward on a plain cast with unit descales (as bench_attention.py --fp8 times them),
+and flash3's FP8 causal kernel on the same shape.
 """
 from __future__ import annotations
 
@@ -70,28 +75,45 @@ def fns(impl, name, q, k, v, scale, left, softcap, sinks):
                                                   dq, dk, dv, scale, True, left, 0, softcap))
 
 
-def run(impl, hdims, seqlens, configs):
+def fns_fp8(impl, name, q, k, v, scale, left, softcap, sinks):
+    """(forward fn, None) of one backend's FP8 forward, causal with the options; q, k, v
+    bf16, quantised here once."""
+    if name == "flash3":
+        fp8 = impl.flash3.fp8
+        t = fp8.quantize(q, k, v)
+        return (lambda: fp8.attention_fp8(*t, causal=True, softmax_scale=scale, window_size=(left, 0),
+                                          softcap=softcap, sinks=sinks)), None
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    return (lambda: impl.fa3._flash_attn_forward(q8, k8, v8, softmax_scale=scale, causal=True, window_size_left=left,
+                                                 window_size_right=0, softcap=softcap)), None
+
+
+def run(impl, hdims, seqlens, configs, fp8=False):
     rows = []
+    kinds = (("fwd", 1.0),) if fp8 else (("fwd", 1.0), ("bwd", BWD_FLOP_FACTOR))
+    make = fns_fp8 if fp8 else fns
     for d in hdims:
         h = HIDDEN // d
         for s in seqlens:
             b = max(1, TOKENS // s)
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             scale = d ** -0.5
-            causal = fns(impl, "flash3", q, k, v, scale, -1, 0.0, None)
-            causal_ms = (measure(causal[0]), measure(causal[1]))
+            causal = make(impl, "flash3", q, k, v, scale, -1, 0.0, None)
+            causal_ms = (measure(causal[0]), measure(causal[1]) if causal[1] else None)
             for config in configs:
                 left, softcap, with_sinks = CONFIGS[config]
                 sinks = torch.randn(h, device="cuda", dtype=torch.float32) if with_sinks else None
                 flop = 4 * b * h * d * visible_pairs(s, left)
                 row = {"hdim": d, "seqlen": s, "batch": b, "config": config}
-                f3 = fns(impl, "flash3", q, k, v, scale, left, softcap, sinks)
-                row["flash3_fwd_ms"], row["flash3_bwd_ms"] = measure(f3[0]), measure(f3[1])
+                f3 = make(impl, "flash3", q, k, v, scale, left, softcap, sinks)
+                row["flash3_fwd_ms"] = measure(f3[0])
+                row["flash3_bwd_ms"] = measure(f3[1]) if f3[1] else None
                 if impl.fa3 is not None:
-                    fa = fns(impl, "fa3", q, k, v, scale, left, softcap, None)
-                    row["fa3_fwd_ms"], row["fa3_bwd_ms"] = measure(fa[0]), measure(fa[1])
+                    fa = make(impl, "fa3", q, k, v, scale, left, softcap, None)
+                    row["fa3_fwd_ms"] = measure(fa[0])
+                    row["fa3_bwd_ms"] = measure(fa[1]) if fa[1] else None
                 causal_flop = 4 * b * h * d * visible_pairs(s, -1)
-                for kind, factor in (("fwd", 1.0), ("bwd", BWD_FLOP_FACTOR)):
+                for kind, factor in kinds:
                     for name in ("flash3", "fa3"):
                         ms = row.get(f"{name}_{kind}_ms")
                         row[f"{name}_{kind}_tflops"] = tflops(flop * factor, ms) if ms else None
@@ -101,21 +123,24 @@ def run(impl, hdims, seqlens, configs):
                 print(f"  hdim {d:3d} {s:6d} {config:16s} fwd {cell(row['flash3_fwd_tflops'])} / FA3 "
                       f"{cell(row.get('fa3_fwd_tflops'))} "
                       f"({ratio_cell(row['flash3_fwd_tflops'], row.get('fa3_fwd_tflops'), 2)})"
-                      f"  bwd {cell(row['flash3_bwd_tflops'])} / FA3 {cell(row.get('fa3_bwd_tflops'))} "
-                      f"({ratio_cell(row['flash3_bwd_tflops'], row.get('fa3_bwd_tflops'), 2)})", flush=True)
+                      f"  bwd {cell(row.get('flash3_bwd_tflops'))} / FA3 {cell(row.get('fa3_bwd_tflops'))} "
+                      f"({ratio_cell(row.get('flash3_bwd_tflops'), row.get('fa3_bwd_tflops'), 2)})", flush=True)
             del q, k, v
     return rows
 
 
 def markdown(data):
-    lines = ["# Windows, softcap, sinks (bf16, causal, hidden 2048; CUDA-graph timing)", "",
+    fp8 = data.get("fp8", False)
+    kinds = ("fwd",) if fp8 else ("fwd", "bwd")
+    what = "FP8 (e4m3) forward" if fp8 else "bf16"
+    lines = [f"# Windows, softcap, sinks ({what}, causal, hidden 2048; CUDA-graph timing)", "",
              f"GPU: {data['device']}. FlashAttention-3: {data['fa3']}.", "",
-             "| hdim | seqlen | config | fwd flash3 | fwd FA3 | flash3/FA3 | fwd flash3 causal | "
-             "bwd flash3 | bwd FA3 | flash3/FA3 | bwd flash3 causal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hdim | seqlen | config | " + " | ".join(
+                 f"{k} flash3 | {k} FA3 | flash3/FA3 | {k} flash3 causal" for k in kinds) + " |",
+             "|---|---|---|" + "---|---|---|---|" * len(kinds)]
     for r in data["rows"]:
         cells = [str(r["hdim"]), str(r["seqlen"]), r["config"]]
-        for kind in ("fwd", "bwd"):
+        for kind in kinds:
             cells += [cell(r.get(f"flash3_{kind}_tflops")), cell(r.get(f"fa3_{kind}_tflops")),
                       ratio_cell(r.get(f"flash3_{kind}_tflops"), r.get(f"fa3_{kind}_tflops"), 2),
                       cell(r.get(f"causal_{kind}_tflops"))]
@@ -132,13 +157,15 @@ def main(argv=None):
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384,32768")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--fp8", action="store_true", help="the FP8 forward (see above)")
     args = ap.parse_args(argv)
     impl = Impl()
     data = results_header(impl)
+    data["fp8"] = args.fp8
     data["rows"] = run(impl, [int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")],
-                       args.configs.split(","))
+                       args.configs.split(","), fp8=args.fp8)
     card = "h200" if "H200" in data["device"] else "h100" if "H100" in data["device"] else "gpu"
-    write_results(args.out_dir, args.tag or f"{card}-masks", data, markdown(data))
+    write_results(args.out_dir, args.tag or f"{card}-masks" + ("-fp8" if args.fp8 else ""), data, markdown(data))
     return 0
 
 
