@@ -35,12 +35,12 @@ void fwd(char const* name) {
 
 template <int D, class M, int N, bool P, int W>
 void fp8() {
-  using T = KernelTraitsFp8<D, M::kIsCausal, N, P, W>;
+  using T = KernelTraitsFp8<D, kVariableKeys<M>, N, P, W>;
   using K = FlashFwdKernel<T, M>;
-  std::printf("fp8 hdim=%d causal=%d n=%d persistent_override=%d w=%d WG=%d M=%d N=%d stages=%d persistent=%d pingpong=%d "
+  std::printf("fp8 hdim=%d causal=%d local=%d n=%d persistent_override=%d w=%d WG=%d M=%d N=%d stages=%d persistent=%d pingpong=%d "
               "split=%d softmaxUnderPv=%d lazy=%d lanescales=%d introwmax=%d pingpongtid=%d onescale=%d "
               "regs=%d/%d tmastoreO=%d OinKV=%d smemOsep=%d tail=%d smem=%d threads=%d\n",
-              D, int(M::kIsCausal), N, int(P), W, T::kConsumerWarpgroups, T::kBlockM, T::kBlockN, T::kStages,
+              D, int(M::kIsCausal), int(M::kIsLocal), N, int(P), W, T::kConsumerWarpgroups, T::kBlockM, T::kBlockN, T::kStages,
               int(T::kPersistent), int(T::kPingpong), int(T::kSplitChains), int(T::kSoftmaxUnderPv),
               int(T::kLazyRescale), int(T::kLaneScales), int(T::kIntRowMax), int(T::kPingpongIdsFromThreadIdx),
               int(T::kOneScaleOffset), int(K::Registers::kProducer), int(K::Registers::kConsumer), int(T::kTmaStoreO),
@@ -86,6 +86,7 @@ int main() {
   fp8<128, CausalMask, 0, true, 0>(); fp8<128, CausalMask, 192, true, 0>(); fp8<128, NoMask, 192, false, 0>();
   fp8<256, NoMask, 0, false, 0>(); fp8<256, CausalMask, 0, false, 0>();
   fp8<256, CausalMask, 0, true, 0>(); fp8<256, NoMask, 0, true, 0>();
+  fp8<64, LocalMask, 0, false, 0>(); fp8<128, LocalMask, 0, false, 0>(); fp8<256, LocalMask, 0, false, 0>();
   std::printf("shortmax hdim=64 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<64, false>, kShortSeqMaxSeqlen<64, true>);
   std::printf("shortmax hdim=96 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<96, false>, kShortSeqMaxSeqlen<96, true>);
   std::printf("shortmax hdim=128 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<128, false>,
