@@ -51,6 +51,10 @@ struct FwdFp8Entry {
   FwdVariantBounds bounds{};
 };
 
+// The widest window span (keys) matched as that span rather than the lengths: within
+// every persistent local kernel's range.
+constexpr int kLocalNarrowSpan = 4096;
+
 constexpr MaskKind kNone = MaskKind::kNone;
 constexpr MaskKind kCausal = MaskKind::kCausal;
 constexpr MaskKind kLocal = MaskKind::kLocal;
@@ -100,6 +104,12 @@ FwdFp8Entry const kFwdFp8Table[] = {
   {   64,  kLocal,  fwd_fp8< 64, LocalMask>()},
   {  128,  kLocal,  fwd_fp8<128, LocalMask>()},
   {  256,  kLocal,  fwd_fp8<256, LocalMask>()},
+  // Persistent local kernels, over the persistent causal kernels' ranges; a window
+  // spanning at most kLocalNarrowSpan keys is matched as its span (variant_fwd.h
+  // local_variant_lengths), so narrow windows run them at any length.
+  {   64,  kLocal,  fwd_fp8< 64, LocalMask, 0, true>(),             0,  8192},
+  {  128,  kLocal,  fwd_fp8<128, LocalMask, 0, true>(),             0,  8192},
+  {  256,  kLocal,  fwd_fp8<256, LocalMask, 0, true>(),             0,  4096},
 };
 // clang-format on
 
@@ -119,8 +129,13 @@ std::vector<Fp8KernelInfo> built_kernels_fp8() {
 
 bool dispatch_fwd_fp8(int headdim, MaskKind mask, FwdFp8Params const& params, cudaStream_t stream,
                       cudaError_t* err) {
+  // Each side of a window is at most the longest sequence (api.cpp clamps it).
+  FwdVariantLengths const lengths =
+      mask == MaskKind::kLocal ? local_variant_lengths(params.seqlen_q, params.seqlen_k, params.window_left,
+                                                       params.window_right, kLocalNarrowSpan)
+                               : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
   FwdFp8Entry const* chosen =
-      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), params.seqlen_q, params.seqlen_k,
+      pick_fwd_variant(std::begin(kFwdFp8Table), std::end(kFwdFp8Table), lengths.seqlen_q, lengths.seqlen_k,
                        [&](FwdFp8Entry const& entry) {
                          return entry.headdim == headdim && entry.mask == mask && entry.launch != nullptr;
                        });

@@ -87,6 +87,7 @@ int main() {
   fp8<256, NoMask, 0, false, 0>(); fp8<256, CausalMask, 0, false, 0>();
   fp8<256, CausalMask, 0, true, 0>(); fp8<256, NoMask, 0, true, 0>();
   fp8<64, LocalMask, 0, false, 0>(); fp8<128, LocalMask, 0, false, 0>(); fp8<256, LocalMask, 0, false, 0>();
+  fp8<64, LocalMask, 0, true, 0>(); fp8<128, LocalMask, 0, true, 0>(); fp8<256, LocalMask, 0, true, 0>();
   std::printf("shortmax hdim=64 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<64, false>, kShortSeqMaxSeqlen<64, true>);
   std::printf("shortmax hdim=96 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<96, false>, kShortSeqMaxSeqlen<96, true>);
   std::printf("shortmax hdim=128 noncausal=%d causal=%d\n", kShortSeqMaxSeqlen<128, false>,

@@ -28,9 +28,9 @@ SHORT_SEQ_TILES = {64: ["nomask", "causal", "local"], 128: ["nomask", "causal", 
 FP8_HDIMS = [64, 128, 256]
 FP8_KEY_TILES = {128: {"causal": [192], "nomask": [192]}}
 FP8_PERSISTENT = {
-    64: {"causal": [(0, 0), (0, 2)]},
-    128: {"causal": [(0, 0), (192, 0)]},
-    256: {"causal": [(0, 0)], "nomask": [(0, 0)]},
+    64: {"causal": [(0, 0), (0, 2)], "local": [(0, 0)]},
+    128: {"causal": [(0, 0), (192, 0)], "local": [(0, 0)]},
+    256: {"causal": [(0, 0)], "nomask": [(0, 0)], "local": [(0, 0)]},
 }
 
 HERE = Path(__file__).resolve().parent
