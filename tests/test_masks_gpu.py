@@ -36,9 +36,9 @@ CASES = [
     (1, 900, False, (-1, -1), 0.0, True),
     (400, 100, True, (40, -1), 20.0, True),
     (1000, 1000, True, (4000, 4000), 0.0, False),  # a window past the sequence: plain causal
-    # Past 2k tokens: at hdim 64 and 128 the local mask runs the general tile for wide
+    # Past 2k tokens (1k at hdim 256): the local mask runs the general tile for wide
     # windows and the persistent short tile for narrow ones (launch_fwd.h); below, the
-    # short tile.
+    # short tile, except softcap at hdim 256 (the general tile at every length).
     (2100, 2100, True, (-1, -1), 30.0, False),
     (2100, 2300, False, (1500, 600), 0.0, False),
     (2500, 2600, True, (127, 0), 0.0, False),

@@ -73,6 +73,9 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   constexpr bool kHasShortTile = kHeadDimV == kHeadDim && (Mask::kIsLocal ? kHasLocalShortTile<kHeadDim>
                                                                           : kHasShortSeqTile<kHeadDim, Mask::kIsCausal>);
   if constexpr (kHasShortTile) {
+    // Softcap at hdim 256 keeps the general tile (traits.h kLocalShortTileTakesSoftcap).
+    bool const short_tile_takes_call =
+        !(Mask::kIsLocal && !kLocalShortTileTakesSoftcap<kHeadDim> && params.has_softcap());
     constexpr int kMaxSeqlen = kShortSeqMaxSeqlen<kHeadDim, kVariableKeys<Mask>>;
     constexpr int kShortBlockM = KernelTraits<Element, kHeadDim, kVariableKeys<Mask>, true, kHeadDimV>::kBlockM;
     int const max_seqlen = walks_causal_keys<Mask>(params) && causal_long_range(params, kShortBlockM)
@@ -84,7 +87,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
                                                params.window_right, kMaxSeqlen)
                        : FwdVariantLengths{params.seqlen_q, params.seqlen_k};
     // Two variants, the general one serving every length: the short one wherever it serves.
-    if (short_seq_bounds(max_seqlen).serves(lengths.seqlen_q, lengths.seqlen_k)) {
+    if (short_tile_takes_call && short_seq_bounds(max_seqlen).serves(lengths.seqlen_q, lengths.seqlen_k)) {
       return launch_fwd_layout<Element, kHeadDim, Mask, true, kHeadDimV>(params, stream);
     }
   }

@@ -108,10 +108,15 @@ constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
 // and 128 (launch_fwd.h): for short sequences, and for any sequence where the window spans
 // at most kShortSeqMaxSeqlen keys, since a query tile then walks no more key tiles than a
 // short causal tile does, and the persistent grid overlaps one tile's loads with the
-// previous tile's math. Not tried at hdim 256, whose short causal tile already runs
-// without pingpong to stay clear of spills (TileConfig<256> below).
+// previous tile's math. At hdim 256 the short causal tile runs without pingpong (to stay
+// clear of spills, TileConfig<256> below), which softcap's tanh needs: there calls with
+// softcap keep the general tile (kLocalShortTileTakesSoftcap). H100 A/B against the
+// general tile only, 4k / 16k / 32k tokens: window 1024 +10 / +7 / +2%, window 4096 and
+// 128 level, softcap with causal on the short tile -4 / -6% (docs/performance.md).
 template <int kHeadDim>
-constexpr bool kHasLocalShortTile = kHeadDim == 64 || kHeadDim == 128;
+constexpr bool kHasLocalShortTile = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256;
+template <int kHeadDim>
+constexpr bool kLocalShortTileTakesSoftcap = kHeadDim != 256;
 
 // kHeadDimV: the head dim of V and O where it differs from Q and K's (192 / 128).
 template <int kHeadDim, bool kIsCausal, bool kShortSeq, int kHeadDimV = kHeadDim>
