@@ -97,15 +97,16 @@ constexpr int kShortSeqMaxSeqlen = short_seq_max_seqlen<kHeadDim, kIsCausal>();
 // in the dense order, keep them too (launch_fwd.h causal_long_range; H100, two passes:
 // hdim 128 +2..+9% at 3k-12k, -3% at 16k; hdim 256 +1..+8%; hdim 64 +1..+3% at 3k-4k);
 // long-tailed mixes keep kShortSeqMaxSeqlen. The local mask's causal windows (softcap or
-// sinks with causal: launch_fwd.h walks_causal_keys) take the same ranges at hdim 64 and
-// 128, on its short tile with the dealt tail modelled on the window. Not measured past 16k.
+// sinks with causal: launch_fwd.h walks_causal_keys) take the same ranges on its short
+// tile, with the dealt tail modelled on the window (at hdim 256 sinks only: softcap keeps
+// the general tile there). Not measured past 16k.
 template <int kHeadDim>
 constexpr int kDenseCausalShortMaxSeqlen =
     kHeadDim == 64 ? 4096 : kHeadDim == 128 || kHeadDim == 256 ? 16384 : kShortSeqMaxSeqlen<kHeadDim, true>;
 template <int kHeadDim, bool kIsCausal>
 constexpr bool kHasShortSeqTile = kShortSeqMaxSeqlen<kHeadDim, kIsCausal> > 0;
-// The local mask (windows, softcap, sinks) also runs on the causal short tile at hdim 64
-// and 128 (launch_fwd.h): for short sequences, and for any sequence where the window spans
+// The local mask (windows, softcap, sinks) also runs on the causal short tile at hdim 64,
+// 128 and 256 (launch_fwd.h): for short sequences, and for any sequence where the window spans
 // at most kShortSeqMaxSeqlen keys, since a query tile then walks no more key tiles than a
 // short causal tile does, and the persistent grid overlaps one tile's loads with the
 // previous tile's math. At hdim 256 the short causal tile runs without pingpong (to stay
