@@ -16,8 +16,8 @@ HDIM_PAIRS = [(192, 128)]
 MASKS = {"nomask": "NoMask", "causal": "CausalMask", "local": "LocalMask"}
 # Per head dim, the masks whose forward has a second tile for short sequences (traits.h,
 # kHasShortSeqTile), compiled in its own file: fwd_<dtype>_hdim<d>_<mask>short.cu.
-# The local mask has one at every head dim that has a causal one (traits.h kHasLocalShortTile): the causal short
-# tile, for short sequences and narrow windows.
+# The local mask has one at every head dim that has a causal one (traits.h
+# kHasLocalShortTile): the causal short tile, for short sequences and narrow windows.
 SHORT_SEQ_TILES = {64: ["nomask", "causal", "local"], 128: ["nomask", "causal", "local"], 256: ["nomask", "causal", "local"]}
 # FP8 (e4m3 in, bf16 out): launch_fwd_fp8.h, dtype "e4m3" in the file name. Per head dim
 # and mask, the kernels besides the default one (dispatch_fp8.cu picks by seqlen_k): key
