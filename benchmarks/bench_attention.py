@@ -25,117 +25,30 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
-import math
-import os
 import platform
-import statistics
 import sys
 import traceback
 from pathlib import Path
 
+from attention_backends import ALL_BACKENDS, BACKEND_ALIASES, FP8_BACKENDS, Backends
+from gpu_timing import FatalCudaError, check_cuda_alive, error_text, free_memory, lazy_torch, measure, time_fn
+from grid_report import DISPLAY_ORDER, fmt_num, label, load_anchor, write_json, write_outputs
+from paper_grid import DEFAULT_HDIMS, DEFAULT_SEQLENS, config_shape, flops, tflops_per_s
+
 SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIR = SCRIPT_DIR / "results"
-
-TOTAL_TOKENS = 16384
-HIDDEN = 2048
-DEFAULT_HDIMS = [64, 128, 256]
-DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
-ALL_BACKENDS = ["flash3", "sdpa-cudnn", "sdpa-flash", "fa3"]
-FP8_BACKENDS = ["flash3-fp8", "flash3-fp8-e2e", "fa3-fp8", "cudnn-fp8", "flash3", "sdpa-cudnn"]
-# Opt-in: flash3 with deterministic=True (measures what bitwise-repeatable dq costs).
-EXTRA_BACKENDS = ["flash3-det"]
-BACKEND_ALIASES = {
-    "flash3": "flash3",
-    "flash3-det": "flash3-det", "flash3-deterministic": "flash3-det",
-    "sdpa-flash": "sdpa-flash", "fa2": "sdpa-flash", "flash": "sdpa-flash",
-    "sdpa-cudnn": "sdpa-cudnn", "cudnn": "sdpa-cudnn",
-    "fa3": "fa3", "flash_attn_interface": "fa3",
-    "flash3-fp8": "flash3-fp8", "flash3-fp8-e2e": "flash3-fp8-e2e", "fa3-fp8": "fa3-fp8",
-    "cudnn-fp8": "cudnn-fp8",
-}
-# Display labels (also cover implementation names found in the anchor JSON).
-LABELS = {
-    "flash3": "flash3",
-    "flash3-det": "flash3 det.",
-    "sdpa-cudnn": "cuDNN",
-    "sdpa-flash": "FA2",
-    "fa3": "FA3",
-    "fa4": "FA4",
-    "sdpa-efficient": "mem-eff",
-    "fa3-fp8": "FA3 fp8",
-    "flash3-fp8": "flash3 fp8",
-    "flash3-fp8-e2e": "flash3 fp8+q",
-    "cudnn-fp8": "cuDNN fp8",
-}
-# Column / bar order in tables and plots.
-DISPLAY_ORDER = ["flash3", "flash3-det", "sdpa-cudnn", "sdpa-flash", "fa3", "flash3-fp8", "flash3-fp8-e2e", "fa3-fp8",
-                 "cudnn-fp8"]
-COLORS = {
-    "flash3": "#d62728",
-    "flash3-det": "#e377c2",
-    "sdpa-cudnn": "#2ca02c",
-    "sdpa-flash": "#1f77b4",
-    "fa3": "#ff7f0e",
-    "flash3-fp8": "#9467bd",
-    "flash3-fp8-e2e": "#c5b0d5",
-    "fa3-fp8": "#ffbb78",
-    "cudnn-fp8": "#98df8a",
-}
-BWD_FLOP_FACTOR = 2.5
 MISMATCH_WARN = 0.05  # max |out - ref| above which a progress line flags a mismatch
 
 
-def label(impl: str) -> str:
-    return LABELS.get(impl, impl)
-
-
-# --------------------------------------------------------------------------------------
-# FLOPs / shapes
-# --------------------------------------------------------------------------------------
-
-def config_shape(hdim: int, seqlen: int) -> tuple[int, int]:
-    """(batch, nheads) for the paper's grid."""
-    return max(1, TOTAL_TOKENS // seqlen), HIDDEN // hdim
-
-
-def flops(batch: int, nheads: int, seqlen: int, hdim: int, causal: bool, kind: str = "fwd") -> float:
-    f = 4.0 * batch * nheads * seqlen * seqlen * hdim
-    if causal:
-        f /= 2
-    if kind == "bwd":
-        f *= BWD_FLOP_FACTOR
-    return f
-
-
-def tflops_per_s(nflops: float, ms: float | None) -> float | None:
-    if ms is None or ms <= 0 or not math.isfinite(ms):
-        return None
-    return nflops / (ms * 1e-3) / 1e12
-
-
-# --------------------------------------------------------------------------------------
-# GPU side (torch imported lazily so that --replot works without torch)
-# --------------------------------------------------------------------------------------
-
-class FatalCudaError(RuntimeError):
-    """The CUDA context is unusable (sticky error); further measurements are meaningless."""
-
-
-def _torch():
-    import torch  # noqa: WPS433
-    return torch
-
-
 def torch_dtype(name: str):
-    torch = _torch()
+    torch = lazy_torch()
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def make_inputs(batch, seqlen, nheads, hdim, dtype, requires_grad=True, seed=0):
     """q, k, v in (batch, seqlen, nheads, headdim), plus a fixed random output gradient."""
-    torch = _torch()
+    torch = lazy_torch()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
     shape = (batch, seqlen, nheads, hdim)
@@ -149,299 +62,10 @@ def make_inputs(batch, seqlen, nheads, hdim, dtype, requires_grad=True, seed=0):
     return q, k, v, grad
 
 
-def free_memory():
-    torch = _torch()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def check_cuda_alive():
-    torch = _torch()
-    try:
-        torch.cuda.synchronize()
-        torch.zeros(1, device="cuda").add_(1).item()
-    except Exception as e:  # noqa: BLE001
-        raise FatalCudaError(f"CUDA context unusable after an error: {e}") from e
-
-
-def _gpu_pad():
-    """Queue a short GPU sleep before the start event so the host runs ahead of the GPU
-    and the events time the kernels, not Python launch overhead."""
-    torch = _torch()
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is not None:
-        sleep(1_000_000)  # ~0.5 ms at ~2 GHz
-
-
-def time_fn(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of `reps` eager runs of fn(), each bracketed by CUDA events
-    (a GPU sleep queued ahead of each keeps the host's launch time out of the span, but
-    not the gaps between the kernels of one call)."""
-    torch = _torch()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        _gpu_pad()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    return statistics.median(times)
-
-
-def time_graph(fn, reps: int) -> float:
-    """Median milliseconds of one call of fn(), timed as `reps` replays of a CUDA graph of
-    several calls (bench_varlen.graph_ms, which warms up itself: as many calls as take
-    about 2 ms, at most 10): the kernels alone, with no host launch cost on any side.
-    Raises if fn cannot be captured."""
-    from bench_varlen import graph_ms  # noqa: WPS433  (torch at import; not for --replot)
-
-    return graph_ms(fn, replays=reps)
-
-
-def measure(fn, args, row: dict, key: str):
-    """row[key]: the headline time, CUDA-graph replays (--timing graph, the default) or
-    eager calls (--timing events); row[key + "_eager"]: the eager time, always. A backend
-    whose calls cannot be captured gets no headline time (key + "_graph_error" says why)."""
-    row[key + "_eager"] = time_fn(fn, args.warmup, args.reps)
-    if args.timing == "events":
-        row[key] = row[key + "_eager"]
-        return
-    try:
-        row[key] = time_graph(fn, args.reps)  # right after the eager calls: already warm
-    except Exception as e:  # noqa: BLE001
-        check_cuda_alive()
-        row[key] = None
-        row[key + "_graph_error"] = _err(e)
-
-
-# ---- backends -----------------------------------------------------------------------
-
-class Backends:
-    """Imports optional backends once and remembers why one is unavailable."""
-
-    def __init__(self):
-        self.flash3 = None
-        self.flash3_error = None
-        self.fa3 = None
-        self.fa3_error = None
-        self.cudnn = None
-        self.cudnn_error = None
-        try:
-            import flash3  # noqa: WPS433
-            self.flash3 = flash3
-        except Exception as e:  # noqa: BLE001
-            self.flash3_error = f"{type(e).__name__}: {e}"
-        try:
-            import flash_attn_interface  # noqa: WPS433
-            self.fa3 = flash_attn_interface
-        except Exception as e:  # noqa: BLE001
-            self.fa3_error = f"{type(e).__name__}: {e}"
-        try:
-            # cuDNN's FP8 SDPA through the cudnn-frontend Python wheel (nvidia-cudnn-frontend),
-            # on the libcudnn that torch loads.
-            import cudnn  # noqa: WPS433
-            self.cudnn = cudnn
-        except Exception as e:  # noqa: BLE001
-            self.cudnn_error = f"{type(e).__name__}: {e}"
-
-    def flash3_info(self) -> dict:
-        info = {"available": self.flash3 is not None, "import_error": self.flash3_error}
-        if self.flash3 is not None:
-            info["version"] = getattr(self.flash3, "__version__", None)
-            info["file"] = getattr(self.flash3, "__file__", None)
-            try:
-                info["build_info"] = _jsonable(self.flash3.build_info())
-            except Exception as e:  # noqa: BLE001
-                info["build_info_error"] = f"{type(e).__name__}: {e}"
-        return info
-
-    def fa3_info(self) -> dict:
-        info = {"available": self.fa3 is not None, "import_error": self.fa3_error}
-        if self.fa3 is not None:
-            info["file"] = getattr(self.fa3, "__file__", None)
-            try:
-                import importlib.metadata as md  # noqa: WPS433
-                for dist in ("flash_attn_3", "flash-attn-3", "flash_attn"):
-                    try:
-                        info["version"] = md.version(dist)
-                        break
-                    except md.PackageNotFoundError:
-                        pass
-            except Exception:  # noqa: BLE001
-                pass
-        return info
-
-    def unavailable_reason(self, impl: str) -> str | None:
-        if impl in ("flash3", "flash3-det") and self.flash3 is None:
-            return f"import flash3 failed: {self.flash3_error}"
-        if impl in ("fa3", "fa3-fp8") and self.fa3 is None:
-            return f"import flash_attn_interface failed: {self.fa3_error}"
-        if impl == "cudnn-fp8" and self.cudnn is None:
-            return f"import cudnn (nvidia-cudnn-frontend) failed: {self.cudnn_error}"
-        return None
-
-    def flash3_supported(self, kind: str, dtype: str, hdim: int, causal: bool) -> bool | None:
-        """flash3.is_supported if present; None when it cannot be asked."""
-        fn = getattr(self.flash3, "is_supported", None) if self.flash3 is not None else None
-        if fn is None:
-            return None
-        try:
-            return bool(fn(kind, dtype, hdim, causal))
-        except Exception:  # noqa: BLE001
-            return None
-
-    def attention_fn(self, impl: str, causal: bool):
-        """Returns (fn(q, k, v) -> out in (b, s, h, d), context manager factory)."""
-        import contextlib  # noqa: WPS433
-
-        if impl in ("flash3", "flash3-det"):
-            f3 = self.flash3
-            deterministic = impl == "flash3-det"
-
-            def fn(q, k, v):
-                return _first(f3.attention(q, k, v, causal=causal, deterministic=deterministic))
-            return fn, contextlib.nullcontext
-
-        if impl in ("flash3-fp8", "fa3-fp8"):
-            # The kernel alone: inputs quantised once (cached per input tensors), outside
-            # the timed call. flash3: block scales + incoherent processing (fused
-            # quantiser); FA3: a plain cast with unit descales, as its benchmarks do.
-            f3, fa3 = self.flash3, self.fa3
-            cache = {}
-
-            def quantised(q, k, v):
-                key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-                if key not in cache:
-                    cache.clear()
-                    q, k, v = q.detach(), k.detach(), v.detach()
-                    if impl == "flash3-fp8":
-                        cache[key] = tuple(f3.fp8.quantize(q, k, v))
-                    else:
-                        cache[key] = tuple(t.to(_torch().float8_e4m3fn) for t in (q, k, v))
-                return cache[key]
-
-            def fn(q, k, v):
-                t = quantised(q, k, v)
-                if impl == "flash3-fp8":
-                    return f3.fp8.attention_fp8(*t, causal=causal)
-                return _first(fa3.flash_attn_func(*t, causal=causal))
-            return fn, contextlib.nullcontext
-
-        if impl == "cudnn-fp8":
-            return cudnn_fp8_fn(self.cudnn, causal), contextlib.nullcontext
-
-        if impl == "flash3-fp8-e2e":
-            f3 = self.flash3
-
-            def fn(q, k, v):
-                return f3.fp8.attention(q.detach(), k.detach(), v.detach(), causal=causal)
-            return fn, contextlib.nullcontext
-
-        if impl == "fa3":
-            fa3 = self.fa3
-
-            def fn(q, k, v):
-                return _first(fa3.flash_attn_func(q, k, v, causal=causal))
-            return fn, contextlib.nullcontext
-
-        if impl in ("sdpa-flash", "sdpa-cudnn"):
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: WPS433
-            import torch.nn.functional as F  # noqa: WPS433
-            backend = SDPBackend.FLASH_ATTENTION if impl == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
-
-            def fn(q, k, v):
-                # (b, s, h, d) -> (b, h, s, d): free transposed views, as a user would write it.
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-                return out.transpose(1, 2)
-            return fn, (lambda: sdpa_kernel([backend]))
-
-        raise ValueError(f"unknown backend {impl}")
-
-
-def _first(x):
-    return x[0] if isinstance(x, (tuple, list)) else x
-
-
-def cudnn_fp8_fn(cudnn, causal: bool):
-    """cuDNN's FP8 SDPA forward (cudnn-frontend graph), as the anchors' cuDNN fp8 column:
-    e4m3 q, k, v cast once from the inputs (outside the timed call, per-tensor unit
-    descales, as for fa3-fp8), P quantised with scale 256 (descale 1/256), e4m3 output
-    (cuDNN's FP8 SDPA on Hopper writes FP8 O). The graph is built once per shape, in the
-    untimed first call. Returns fn(q, k, v) -> out in (b, s, h, d), e4m3."""
-    torch = _torch()
-    state = {}
-    handle = cudnn.create_handle()
-
-    def build(q, k, v):
-        b, s, h, d = q.shape
-        dims, strides = [b, h, s, d], [s * h * d, d, h * d, 1]  # (b, s, h, d) memory as (b, h, s, d)
-        e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v"))
-        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-        scalars = {n: graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32) for n in names}
-        o, _stats, amax_s, amax_o = graph.sdpa_fp8(
-            q=tq, k=tk, v=tv, **scalars, is_inference=True, attn_scale=d ** -0.5, use_causal_mask=causal,
-            name="sdpa_fp8")
-        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
-        for amax in (amax_s, amax_o):
-            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans()
-        one = torch.ones(1, 1, 1, 1, device=q.device, dtype=torch.float32)
-        values = {"descale_q": one, "descale_k": one, "descale_v": one, "descale_s": one / 256,
-                  "scale_s": one * 256, "scale_o": one}
-        q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
-        out = torch.empty(b, s, h, d, device=q.device, dtype=torch.float8_e4m3fn)
-        # Views with the graph's dims and strides; the memory stays (b, s, h, d).
-        pack = {tq: q8.transpose(1, 2), tk: k8.transpose(1, 2), tv: v8.transpose(1, 2), o: out.transpose(1, 2),
-                **{scalars[n]: values[n] for n in names},
-                amax_s: torch.empty_like(one), amax_o: torch.empty_like(one)}
-        workspace = torch.empty(graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
-        return {"graph": graph, "pack": pack, "workspace": workspace, "out": out}
-
-    def fn(q, k, v):
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape))
-        if state.get("key") != key:
-            state.clear()
-            state.update(build(q, k, v), key=key)
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-        state["graph"].execute(state["pack"], state["workspace"], handle=handle)
-        return state["out"]
-    return fn
-
-
-def _jsonable(obj):
-    try:
-        json.dumps(obj)
-        return obj
-    except TypeError:
-        if isinstance(obj, dict):
-            return {str(k): _jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [_jsonable(v) for v in obj]
-        return repr(obj)
-
-
-def _err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}"
-    return msg if len(msg) < 500 else msg[:500] + "..."
-
-
 def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: int,
                 dtype_name: str, inputs, args) -> tuple[dict, object]:
     """Measure one backend on one config. Returns (row, first forward output or None)."""
-    torch = _torch()
+    torch = lazy_torch()
     q, k, v, grad = inputs
     batch, nheads = config_shape(hdim, seqlen)
     row = {"impl": impl, "hdim": hdim, "causal": causal, "seqlen": seqlen, "batch": batch,
@@ -475,7 +99,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
                 row["quant_GBps"] = 3 * q.numel() * 3 / (row["quant_ms"] * 1e-3) / 1e9
             except Exception as e:  # noqa: BLE001
                 check_cuda_alive()
-                row["quant_error"] = _err(e)
+                row["quant_error"] = error_text(e)
         if fwd_ok:
             try:
                 out_sample = fn(q, k, v).detach()
@@ -488,13 +112,13 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
                         out_sample = fn(q, k, v).detach()
                         measure(lambda: fn(q, k, v), args, row, "fwd_ms")
                     row["fwd_mode"] = "no_grad"
-                    row["fwd_grad_error"] = _err(e)
+                    row["fwd_grad_error"] = error_text(e)
                     bwd_possible = False
                     if want_bwd:
-                        row["bwd_error"] = "forward with requires_grad failed: " + _err(e)
+                        row["bwd_error"] = "forward with requires_grad failed: " + error_text(e)
                 except Exception as e2:  # noqa: BLE001
                     check_cuda_alive()
-                    row["fwd_error"] = _err(e2)
+                    row["fwd_error"] = error_text(e2)
                     bwd_possible = False
                     if want_bwd:
                         row["bwd_error"] = "forward failed"
@@ -521,7 +145,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
                     row[f"bwd_ms{suffix}"] = both - fwd if both is not None and fwd is not None else None
             except Exception as e:  # noqa: BLE001  (NotImplementedError, RuntimeError, OOM, ...)
                 check_cuda_alive()
-                row["bwd_error"] = _err(e)
+                row["bwd_error"] = error_text(e)
 
     for kind in ("fwd", "bwd"):
         nflops = flops(batch, nheads, seqlen, hdim, causal, kind)
@@ -532,7 +156,7 @@ def run_backend(backends: Backends, impl: str, hdim: int, causal: bool, seqlen: 
 
 def measure_ceilings(warmup: int = 5, reps: int = 20, fp8: bool = False) -> dict:
     """bf16 GEMM 8192^3 TFLOPs/s and device-to-device copy bandwidth (read + write)."""
-    torch = _torch()
+    torch = lazy_torch()
     res = {}
     try:
         n = 8192
@@ -551,7 +175,7 @@ def measure_ceilings(warmup: int = 5, reps: int = 20, fp8: bool = False) -> dict
             del a8, b8
         del a, b, c
     except Exception as e:  # noqa: BLE001
-        res["gemm_error"] = _err(e)
+        res["gemm_error"] = error_text(e)
     free_memory()
     try:
         nbytes = 1 << 30
@@ -562,13 +186,13 @@ def measure_ceilings(warmup: int = 5, reps: int = 20, fp8: bool = False) -> dict
         res["copy_bytes"] = nbytes
         del src, dst
     except Exception as e:  # noqa: BLE001
-        res["copy_error"] = _err(e)
+        res["copy_error"] = error_text(e)
     free_memory()
     return res
 
 
 def machine_info(backends: Backends) -> dict:
-    torch = _torch()
+    torch = lazy_torch()
     props = torch.cuda.get_device_properties(0)
     info = {
         "device": torch.cuda.get_device_name(0),
@@ -589,282 +213,7 @@ def machine_info(backends: Backends) -> dict:
 
 # --------------------------------------------------------------------------------------
 # Output writers (pure Python; usable with --replot)
-# --------------------------------------------------------------------------------------
 
-def _row_index(rows):
-    return {(r["impl"], int(r["hdim"]), bool(r["causal"]), int(r["seqlen"])): r for r in rows}
-
-
-def _configs(rows):
-    return sorted({(int(r["hdim"]), bool(r["causal"]), int(r["seqlen"])) for r in rows})
-
-
-def _impls_with_data(rows, kind):
-    key = f"{kind}_tflops"
-    present = {r["impl"] for r in rows if r.get(key) is not None}
-    listed = {r["impl"] for r in rows}
-    ordered = [i for i in DISPLAY_ORDER if i in listed]
-    ordered += sorted(i for i in listed if i not in DISPLAY_ORDER)
-    # fa3 only if it produced any number (it is optional); the others always get a column.
-    return [i for i in ordered if i != "fa3" or i in present]
-
-
-def _kinds(data):
-    """The tables to write: forward and backward at the headline timing, then, where the
-    run recorded them beside it, the same at eager timing."""
-    kinds = data.get("kinds") or ["fwd", "bwd"]
-    out = [k for k in ("fwd", "bwd") if k in kinds]
-    if data.get("args", {}).get("timing", "events") == "graph":
-        out += [f"{k}_eager" for k in out if any(r.get(f"{k}_eager_tflops") is not None for r in data["rows"])]
-    return out
-
-
-def load_anchor(path: str | None, impls: list[str]) -> dict | None:
-    if not path:
-        return None
-    with open(path) as f:
-        a = json.load(f)
-    rows = [r for r in a.get("rows", []) if r.get("impl") in impls]
-    return {"path": str(path), "device": a.get("device"), "torch": a.get("torch"),
-            "date": a.get("date"), "ceilings": a.get("ceilings", {}), "impls": impls,
-            "index": _row_index(rows)}
-
-
-def _fmt(x, nd=0):
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def _ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def _geomean(xs):
-    xs = [x for x in xs if x is not None and x > 0]
-    return None if not xs else math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def write_json(path: Path, data: dict):
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
-def markdown_table(data: dict, kind: str, anchor: dict | None) -> list[str]:
-    rows = data["rows"]
-    idx = _row_index(rows)
-    impls = _impls_with_data(rows, kind)
-    key = f"{kind}_tflops"
-    ratio_pairs = [(a, b) for a, b in (("flash3", "sdpa-cudnn"), ("flash3", "fa3"),
-                                       ("flash3-fp8", "cudnn-fp8"), ("flash3-fp8", "fa3-fp8"))
-                   if a in impls and b in impls]
-    anchor_impls = []
-    if anchor:
-        anchor_impls = [i for i in anchor["impls"]
-                        if any(k[0] == i and r.get(key) is not None for k, r in anchor["index"].items())]
-    header = ["hdim", "causal", "seqlen"] + [label(i) for i in impls]
-    header += [f"{label(a)}/{label(b)}" for a, b in ratio_pairs]
-    header += [f"{label(i)} (anchor)" for i in anchor_impls]
-    # An FP8 anchor (fa3-fp8, cudnn-fp8) is compared with flash3's FP8 kernel, the others
-    # with the 16-bit one.
-    anchor_num = {i: "flash3-fp8" if i.endswith("-fp8") and "flash3-fp8" in impls else "flash3"
-                  for i in anchor_impls}
-    anchor_impls_ratio = [i for i in anchor_impls if anchor_num[i] in impls]
-    header += [f"{label(anchor_num[i])}/{label(i)} (anchor)" for i in anchor_impls_ratio]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ratios = {p: [] for p in ratio_pairs}
-    aratios = {i: [] for i in anchor_impls}
-    for hdim, causal, seqlen in _configs(rows):
-        vals = {i: idx.get((i, hdim, causal, seqlen), {}).get(key) for i in impls}
-        cells = [str(hdim), "yes" if causal else "no", str(seqlen)] + [_fmt(vals[i]) for i in impls]
-        for p in ratio_pairs:
-            r = _ratio(vals[p[0]], vals[p[1]])
-            ratios[p].append(r)
-            cells.append(_fmt(r, 2))
-        avals = {i: anchor["index"].get((i, hdim, causal, seqlen), {}).get(key) for i in anchor_impls}
-        cells += [_fmt(avals[i]) for i in anchor_impls]
-        for i in anchor_impls_ratio:
-            r = _ratio(vals[anchor_num[i]], avals[i])
-            aratios[i].append(r)
-            cells.append(_fmt(r, 2))
-        lines.append("| " + " | ".join(cells) + " |")
-    summary = []
-    for (a, b), rs in ratios.items():
-        g = _geomean(rs)
-        if g is not None:
-            n = sum(1 for r in rs if r is not None)
-            summary.append(f"{label(a)}/{label(b)} geomean {g:.2f} over {n} configs")
-    for i, rs in aratios.items():
-        g = _geomean(rs)
-        if g is not None:
-            ahead = sum(1 for r in rs if r is not None and r >= 1.0)
-            summary.append(f"{label(anchor_num[i])}/{label(i)} (anchor) geomean {g:.2f}, "
-                           f"ahead on {ahead} of {sum(1 for r in rs if r is not None)}")
-    if summary:
-        lines += ["", "Summary: " + "; ".join(summary) + "."]
-    return lines
-
-
-def write_markdown(path: Path, data: dict, anchor: dict | None = None):
-    m = data.get("machine", {})
-    f3 = m.get("flash3", {}) or {}
-    lines = [f"# Attention benchmark: {data.get('tag', path.stem)}", ""]
-    lines.append(f"- GPU: {m.get('device', data.get('device', '?'))} "
-                 f"(SMs {m.get('sm_count', '?')}), torch {m.get('torch', data.get('torch', '?'))}, "
-                 f"CUDA {m.get('cuda', '?')}, cuDNN {m.get('cudnn', data.get('cudnn', '?'))}, "
-                 f"date {m.get('date', '?')}")
-    if f3:
-        if f3.get("available"):
-            bi = f3.get("build_info") or {}
-            nk = len(bi.get("kernels", []) or []) if isinstance(bi, dict) else "?"
-            lines.append(f"- flash3: version {f3.get('version')}, {nk} kernels in build_info")
-        else:
-            lines.append(f"- flash3: NOT importable ({f3.get('import_error')})")
-    fa3 = m.get("fa3", {}) or {}
-    if fa3:
-        lines.append("- FA3 (flash_attn_interface): " +
-                     ("available" + (f", version {fa3['version']}" if fa3.get("version") else "")
-                      if fa3.get("available") else f"not available ({fa3.get('import_error')})"))
-    a = data.get("args", {})
-    timing = ("CUDA-graph replays (the kernels alone; eager calls in the last tables)"
-              if a.get("timing", "events") == "graph" else "eager calls, each between CUDA events")
-    lines.append(f"- dtype {data.get('dtype', a.get('dtype', 'bf16'))}, batch*seqlen = {TOTAL_TOKENS}, "
-                 f"hidden {HIDDEN}, median of {a.get('reps', '?')} timings after "
-                 f"{a.get('warmup', '?')} warm-up runs: {timing}")
-    lines.append("- TFLOPs/s: fwd = 4*b*h*s*s*d / t_fwd (halved when causal); "
-                 "bwd = 2.5 x fwd FLOPs / (t_fwd+bwd - t_fwd). Labels: cuDNN = torch SDPA cuDNN backend, "
-                 "FA2 = torch SDPA flash backend, FA3 = flash_attn_interface.")
-    c = data.get("ceilings") or {}
-    if c:
-        lines.append(f"- Ceilings (same run): bf16 GEMM 8192^3 {_fmt(c.get('gemm_bf16_tflops'))} TFLOPs/s, "
-                     f"device copy {_fmt(c.get('copy_TBps'), 2)} TB/s (read+write)")
-    if anchor:
-        ac = anchor.get("ceilings") or {}
-        lines.append(f"- Columns marked **(anchor)** come from a DIFFERENT run ({anchor['path']}: "
-                     f"{anchor.get('device')}, torch {anchor.get('torch')}"
-                     + (f", bf16 GEMM {_fmt(ac.get('gemm_bf16_tflops'))} TFLOPs/s, copy "
-                        f"{_fmt(ac.get('copy_TBps'), 2)} TB/s" if ac else "")
-                     + "). Run-to-run spread is ~10%: prefer same-run ratios.")
-    titles = {"fwd": "Forward TFLOPs/s", "bwd": "Backward TFLOPs/s",
-              "fwd_eager": "Forward TFLOPs/s, eager calls", "bwd_eager": "Backward TFLOPs/s, eager calls"}
-    for kind in _kinds(data):
-        lines += ["", f"## {titles[kind]}", ""]
-        lines += markdown_table(data, kind, anchor)
-    errs = _error_summary(data["rows"])
-    if errs:
-        lines += ["", "## Failures (recorded as -)", ""]
-        lines += errs
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _error_summary(rows, limit=40) -> list[str]:
-    seen = {}
-    keys = {"fwd": "fwd_error", "bwd": "bwd_error", "fwd graph capture": "fwd_ms_graph_error",
-            "fwd+bwd graph capture": "fwdbwd_ms_graph_error"}
-    for r in rows:
-        for kind, key in keys.items():
-            e = r.get(key)
-            if e:
-                seen.setdefault((r["impl"], kind, e), []).append(
-                    f"{r['hdim']}/{'c' if r['causal'] else 'nc'}/{r['seqlen']}")
-    out = []
-    for (impl, kind, e), cfgs in list(seen.items())[:limit]:
-        where = ", ".join(cfgs[:6]) + (f", ... ({len(cfgs)} configs)" if len(cfgs) > 6 else "")
-        out.append(f"- {label(impl)} {kind} [{where}]: `{e.replace('`', chr(39))[:200]}`")
-    return out
-
-
-def plot(path: Path, data: dict, kind: str, anchor: dict | None = None) -> bool:
-    """Paper-style figure: one subplot per (hdim, causal), bars grouped by seqlen."""
-    try:
-        import matplotlib  # noqa: WPS433
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: WPS433
-    except Exception as e:  # noqa: BLE001
-        print(f"warning: matplotlib unavailable ({e}); skipping {path.name}", file=sys.stderr)
-        return False
-    rows = data["rows"]
-    key = f"{kind}_tflops"
-    idx = _row_index(rows)
-    impls = _impls_with_data(rows, kind)
-    series = [(i, None) for i in impls]
-    if anchor:
-        series += [(i, "anchor") for i in anchor["impls"]
-                   if any(k[0] == i and r.get(key) is not None for k, r in anchor["index"].items())]
-    configs = _configs(rows)
-    hdims = sorted({c[0] for c in configs})
-    causals = sorted({c[1] for c in configs})
-    seqlens = sorted({c[2] for c in configs})
-    if not configs or not series:
-        return False
-    nrow, ncol = len(hdims), len(causals)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(max(6.0, 0.35 * len(seqlens) * len(series)) * ncol,
-                                                  3.6 * nrow), squeeze=False)
-    width = 0.8 / len(series)
-    ymax = 0.0
-    for r_i, hdim in enumerate(hdims):
-        for c_i, causal in enumerate(causals):
-            ax = axes[r_i][c_i]
-            for s_i, (impl, src) in enumerate(series):
-                vals = []
-                for s in seqlens:
-                    rr = (anchor["index"] if src else idx).get((impl, hdim, causal, s), {})
-                    vals.append(rr.get(key))
-                xs = [j + (s_i - (len(series) - 1) / 2) * width for j in range(len(seqlens))]
-                hs = [v if v is not None else 0 for v in vals]
-                name = label(impl) + (" (anchor run)" if src else "")
-                color = COLORS.get(impl, None)
-                bars = ax.bar(xs, hs, width, label=name, color=color,
-                              hatch="//" if src else None, alpha=0.55 if src else 1.0,
-                              edgecolor="black" if src else None, linewidth=0.4)
-                for bar, v in zip(bars, vals):
-                    txt = "n/a" if v is None else f"{v:.0f}"
-                    ax.annotate(txt, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                                xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                                fontsize=6, rotation=90)
-                ymax = max([ymax] + [v for v in vals if v is not None])
-            ax.set_xticks(range(len(seqlens)))
-            ax.set_xticklabels([f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
-            ax.set_xlabel("Sequence length")
-            ax.set_ylabel("Speed (TFLOPs/s)")
-            ax.set_title(f"{'Backward' if kind == 'bwd' else 'Forward'}, "
-                         f"{'with' if causal else 'without'} causal mask, head dim {hdim}", fontsize=10)
-            ax.grid(axis="y", alpha=0.3)
-    for row_axes in axes:
-        for ax in row_axes:
-            ax.set_ylim(0, ymax * 1.18 + 1)
-    handles, labels_ = axes[0][0].get_legend_handles_labels()
-    m = data.get("machine", {})
-    fig.legend(handles, labels_, loc="upper center", ncol=len(series), frameon=False,
-               bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle(f"Attention {kind} speed, {data.get('dtype', 'bf16')}, {m.get('device', data.get('device', ''))}"
-                 f" ({data.get('tag', '')})", y=1.03, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=130, bbox_inches="tight")
-    plt.close(fig)
-    return True
-
-
-def write_outputs(data: dict, out_dir: Path, tag: str, anchor: dict | None, write_js: bool = True):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    if write_js:
-        write_json(out_dir / f"{tag}.json", data)
-        files.append(out_dir / f"{tag}.json")
-    write_markdown(out_dir / f"{tag}.md", data, anchor)
-    files.append(out_dir / f"{tag}.md")
-    for kind in _kinds(data):
-        if kind.endswith("_eager"):
-            continue  # figures of the headline timing only
-        p = out_dir / f"{tag}_{kind}.png"
-        if plot(p, data, kind, anchor):
-            files.append(p)
-    return files
-
-
-# --------------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -955,7 +304,7 @@ def main(argv=None) -> int:
         return replot(args)
 
     try:
-        torch = _torch()
+        torch = lazy_torch()
     except Exception as e:  # noqa: BLE001
         print(f"no CUDA GPU (torch not importable: {e})", file=sys.stderr)
         return 2
@@ -1004,9 +353,9 @@ def main(argv=None) -> int:
             data["ceilings"] = measure_ceilings(fp8=args.fp8)
             c = data["ceilings"]
             if c.get("gemm_fp8_tflops"):
-                print(f"ceilings: fp8 GEMM 8192^3 {_fmt(c.get('gemm_fp8_tflops'), 1)} TFLOPs/s", flush=True)
-            print(f"ceilings: bf16 GEMM 8192^3 {_fmt(c.get('gemm_bf16_tflops'), 1)} TFLOPs/s, "
-                  f"device copy {_fmt(c.get('copy_TBps'), 2)} TB/s", flush=True)
+                print(f"ceilings: fp8 GEMM 8192^3 {fmt_num(c.get('gemm_fp8_tflops'), 1)} TFLOPs/s", flush=True)
+            print(f"ceilings: bf16 GEMM 8192^3 {fmt_num(c.get('gemm_bf16_tflops'), 1)} TFLOPs/s, "
+                  f"device copy {fmt_num(c.get('copy_TBps'), 2)} TB/s", flush=True)
         for hdim in args.hdims:
             for causal in causals:
                 for seqlen in args.seqlens:
@@ -1022,7 +371,7 @@ def main(argv=None) -> int:
                             check_cuda_alive()
                             row, out = {"impl": impl, "hdim": hdim, "causal": causal, "seqlen": seqlen,
                                         "batch": batch, "nheads": nheads, "dtype": args.dtype,
-                                        "fwd_tflops": None, "bwd_tflops": None, "fwd_error": _err(e)}, None
+                                        "fwd_tflops": None, "bwd_tflops": None, "fwd_error": error_text(e)}, None
                             traceback.print_exc()
                         rows_by_impl[impl] = row
                         if out is not None:
