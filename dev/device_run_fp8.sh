@@ -21,7 +21,7 @@ for causal in (False, True):
 if [ "${PIPESTATUS[0]}" != "0" ]; then echo "SMOKE FAILED: skipping the rest"; exit 1; fi
 python3 scripts/check_sass.py 2>&1 | tee "$OUT/sass.txt" | tail -12
 if [ "$TEST_ARGS" != "skip" ]; then
-  timeout 120 python3 -m pytest -v --maxfail=6 -p no:cacheprovider --tb=short -rfE tests/test_fp8.py $TEST_ARGS 2>&1 \
+  timeout 120 python3 -m pytest -v --maxfail=6 -p no:cacheprovider --tb=short -rfE tests/test_fp8.py tests/test_fp8_gpu.py $TEST_ARGS 2>&1 \
     | tee "$OUT/tests.log" | grep -v PASSED | tail -40
 fi
 timeout 60 python3 benchmarks/fp8_accuracy.py --backend kernel --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/accuracy.md"
