@@ -17,6 +17,7 @@
 #include "epilogue_fwd.h"
 #include "grid_dependency.h"
 #include "mainloop_fwd.h"
+#include "mainloop_fwd_loads.h"
 #include "scheduler.h"
 #include "scheduler_packed.h"
 #include "scheduler_tail.h"
