@@ -11,13 +11,6 @@ namespace flash3 {
 
 using namespace cute;
 
-// global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group).
-CUTLASS_DEVICE void bulk_reduce_add(float* dst, float const* src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               ::"l"(dst), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
-               : "memory");
-}
-
 CUTLASS_DEVICE int cuda_ld_acquire(int const* ptr) {
   int value;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");

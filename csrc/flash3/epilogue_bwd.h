@@ -3,8 +3,9 @@
 // one TMA store each, which skips rows past seqlen_k (a packed batch's partial last key
 // tile, whose next rows are the next sequence's, goes straight from the accumulators, as
 // float32 outputs do). Under GQA dK and dV are float32: each query head adds its own into
-// its K/V head's with atomics (params.h dkv_accumulate), or, in deterministic mode, writes
-// them to a slice of its own, and the binding sums the heads of a group.
+// its K/V head's (params.h dkv_accumulate; bulk reductions or float4 atomics), or, in
+// deterministic mode, writes them to a slice of its own, and the binding sums the heads
+// of a group.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -183,8 +184,9 @@ struct EpilogueBwd {
 
   // dK and dV as float32 (keys, d) tiles in shared memory, dK's over the Q and dO stages
   // and dV's over K and V, then to global memory 16 bytes of a row per thread (a warp's
-  // 512 contiguous bytes), skipping rows past seqlen_k: float32 outputs (added with float4
-  // atomics when accumulating GQA heads), and the transposed kernels' partial tiles. (From
+  // 512 contiguous bytes), skipping rows past seqlen_k: float32 outputs (added, when
+  // accumulating GQA heads, with bulk reductions of whole tiles or float4 atomics), and
+  // the transposed kernels' partial tiles. (From
   // the accumulators, the transposed kernels' row addresses spilled, and the others add a
   // pair of elements per 8-byte atomic.)
   template <class TensordK, class TensordV>
@@ -215,14 +217,36 @@ struct EpilogueBwd {
     stage(tdKrdK, typename Traits::TiledMmadK{}, select<0, 1>(typename Traits::TileShapedK{}), smem_dk, kHeadDim,
           params.softmax_scale);
     stage(tdVrdV, typename Traits::TiledMmadV{}, select<0, 1>(typename Traits::TileShapedV{}), smem_dv, kHeadDimV, 1.f);
-    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);
     int const row0 = n_block * kBlockN;
     int const rows = min(seq.seqlen_k - row0, kBlockN);
+    // Traits::kDkvBulkReduce: a whole tile added to its K/V head's float32 rows goes out as
+    // bulk reductions, one per row of dK or dV (the rows of a head are a head's width
+    // apart), read from shared memory by the TMA unit through the async proxy; a partial
+    // one (the next rows are the next sequence's) as float4 atomics below.
+    bool const bulk = Traits::kDkvBulkReduce && params.accumulate && rows == kBlockN;
+    if (bulk) { cutlass::arch::fence_view_async_shared(); }
+    named_barrier_sync(kConsumerThreads, NamedBarrier::dKVStaging);
     int const head_dkv = head / params.head_group;
     int64_t const dk_offset = seq.batch * params.dk_batch_stride + head_dkv * params.dk_head_stride +
                               (int64_t(seq.offset_k) + row0) * params.dk_row_stride;
     int64_t const dv_offset = seq.batch * params.dv_batch_stride + head_dkv * params.dv_head_stride +
                               (int64_t(seq.offset_k) + row0) * params.dv_row_stride;
+    if (bulk) {
+      float* dk = static_cast<float*>(params.dk_ptr) + dk_offset;
+      float* dv = static_cast<float*>(params.dv_ptr) + dv_offset;
+      for (int i = thread_idx; i < 2 * kBlockN; i += kConsumerThreads) {
+        if (i < kBlockN) {
+          bulk_reduce_add(dk + i * params.dk_row_stride, smem_dk + i * kHeadDim, kHeadDim * sizeof(float));
+        } else {
+          int const row = i - kBlockN;
+          bulk_reduce_add(dv + row * params.dv_row_stride, smem_dv + row * kHeadDimV, kHeadDimV * sizeof(float));
+        }
+      }
+      // The CTA's shared memory must outlive the reads (the sums land in L2 after).
+      cute::tma_store_arrive();
+      cute::tma_store_wait<0>();
+      return;
+    }
     auto copy_out = [&](float const* src, auto* dst, int64_t row_stride, int columns) {
       using Out = std::remove_pointer_t<decltype(dst)>;
       int const chunks_per_row = columns / 4;

@@ -23,6 +23,16 @@ inline StrideRowsHead rows_head_stride(int64_t row_stride, int64_t head_stride, 
   return make_stride(row_stride, _1{}, head_stride, batch_stride);
 }
 
+// global[dst .. dst + bytes) += shared[src ..], float32, asynchronously (bulk_group): a
+// bulk reduction with no tensor map (dst, src and bytes multiples of 16). The issuing
+// thread commits its group (cute::tma_store_arrive) and waits for the reads of shared
+// memory (cute::tma_store_wait) before that memory is reused.
+CUTLASS_DEVICE void bulk_reduce_add(float* dst, float const* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(dst), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+
 // A TMA copy (load, store or reduction: CopyOp) between global memory and one shared-memory
 // box of smem_layout, no cluster multicast.
 template <class CopyOp, class T, class GShape, class GStride, class SmemLayout, class Box>

@@ -113,6 +113,13 @@ struct BwdKernelTraits {
   // (docs/performance.md): hdim 64 1.00-1.05x with 17 and 5 LDL + STL in the causal and
   // non-causal kernels (scripts/check_sass.py), hdim 128 0.57-0.69x (128-152 B of spills).
   static constexpr bool kSeparateMaskedTiles = kSplitKeys && kHeadDim <= 64;
+  // GQA outside deterministic mode: the whole key tiles' float32 dK and dV added to their
+  // K/V head's rows by bulk reductions from shared memory, one per row, rather than float4
+  // atomics (epilogue_bwd.h store_through_smem). H100, 16 / 4 heads, 4 x 4096 and 3 x
+  // 3000, four passes over two runs: hdim 128 +1.3..+2.1%; at hdim 256 (80-key tiles, 160
+  // rows over 256 threads) 0.96-1.01 in the first run, so the other kernels keep the
+  // atomics (docs/performance.md).
+  static constexpr bool kDkvBulkReduce = kSplitKeys;
   static_assert(!kSplitKeys || kDqViaSmem, "dQ over the Q/dO stages assumes the lockstep schedule");
   static_assert(!kTransposed || !kSplitKeys);
   static_assert(!kSplitKeys || kHeadDimV == kHeadDim,
