@@ -192,8 +192,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
   at::Tensor dq_semaphore;
   if (deterministic) { dq_semaphore = at::zeros({ws_batch, nheads, m_blocks}, q.options().dtype(at::kInt)); }
   // GQA: float32 dK/dV. The query heads of a group add theirs into one zeroed K/V head
-  // with atomics, converted below (against a float32 slice per query head summed by a
-  // second kernel: a quarter of the second pass's reads at 4 query heads per K/V head).
+  // (bulk reductions or atomics), converted below (against a float32 slice per query head
+  // summed by a second kernel: a quarter of the second pass's reads at 4 query heads per
+  // K/V head).
   // Deterministic mode keeps a slice per query head, summed below in a fixed order.
   bool const gqa = nheads != nheads_k;
   bool const accumulate = gqa && !deterministic;

@@ -186,9 +186,9 @@ struct EpilogueBwd {
   // and dV's over K and V, then to global memory 16 bytes of a row per thread (a warp's
   // 512 contiguous bytes), skipping rows past seqlen_k: float32 outputs (added, when
   // accumulating GQA heads, with bulk reductions of whole tiles or float4 atomics), and
-  // the transposed kernels' partial tiles. (From
-  // the accumulators, the transposed kernels' row addresses spilled, and the others add a
-  // pair of elements per 8-byte atomic.)
+  // the transposed kernels' partial tiles. (From the accumulators, the transposed
+  // kernels' row addresses spilled, and the others add a pair of elements per 8-byte
+  // atomic.)
   template <class TensordK, class TensordV>
   CUTLASS_DEVICE static void store_through_smem(Params const& params, TensordK const& tdKrdK, TensordV const& tdVrdV,
                                                 float* smem_dk, float* smem_dv, int thread_idx, int n_block, int head,

@@ -133,8 +133,8 @@ struct BwdParams : FwdParams {
   // nheads_dkv, headdim / headdim_v), where nheads_dkv is nheads_k, or under GQA float32
   // (dkv_is_fp32): in deterministic mode nheads, every query head writing its own dK/dV,
   // which the binding sums over a group in a fixed order; otherwise nheads_k, zeroed, the
-  // query heads of a group adding theirs with float32 atomics (dkv_accumulate), and the
-  // binding converts them.
+  // query heads of a group adding theirs (dkv_accumulate: bulk reductions or float32
+  // atomics, epilogue_bwd.h), and the binding converts them.
   void const* do_ptr = nullptr;
   void* dq_ptr = nullptr;
   void* dk_ptr = nullptr;
