@@ -49,6 +49,7 @@ import torch
 
 from . import fp8 as _fp8
 from ._fa3_arguments import (
+    _E4M3,
     _as_int,
     _check_common,
     _check_learnable_sink,
@@ -72,8 +73,6 @@ __all__ = [
     "flash_attn_combine",
     "get_scheduler_metadata",
 ]
-
-_E4M3 = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------------------
